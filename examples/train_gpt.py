@@ -1,0 +1,254 @@
+"""A small character-level GPT trained with DDP, for demos and launcher tests.
+
+Runs under torchrun (or gemini) when RANK/WORLD_SIZE are set, and as a single process
+otherwise. The data is synthetic and made in code, and the batch for (step, rank) is a
+pure function of (seed, step, rank), so a run resumed at step s sees exactly the batches
+an uninterrupted run would. Two runs with the same flags end with bitwise-equal weights.
+
+    torchrun --standalone --nproc-per-node 2 examples/train_gpt.py --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+# ---------------------------------------------------------------------------- data
+
+SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher"]
+VERBS = ["sees", "likes", "finds", "follows", "paints", "remembers"]
+OBJECTS = ["the river", "a red ball", "the green house", "an apple", "the quiet town"]
+ENDINGS = [".", " today.", " again.", " in the morning.", " at night."]
+
+
+def make_corpus(seed: int, n_sentences: int = 4000) -> str:
+    """Seeded English-like text from a tiny grammar (about 150 KB)."""
+    rng = random.Random(seed)
+    sentences = []
+    for _ in range(n_sentences):
+        words = [rng.choice(SUBJECTS), rng.choice(VERBS), rng.choice(OBJECTS)]
+        if rng.random() < 0.3:
+            words += ["and", rng.choice(VERBS), rng.choice(OBJECTS)]
+        sentence = " ".join(words) + rng.choice(ENDINGS)
+        sentences.append(sentence[0].upper() + sentence[1:])
+    return " ".join(sentences) + "\n"
+
+
+def encode(text: str) -> tuple[torch.Tensor, int]:
+    """Map characters to ids; returns the id tensor and the vocabulary size."""
+    vocab = sorted(set(text))
+    index = {char: i for i, char in enumerate(vocab)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long), len(vocab)
+
+
+def get_batch(
+    data: torch.Tensor, seed: int, step: int, rank: int, batch_size: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-character targets; a pure function of (seed, step, rank)."""
+    batch_seed = random.Random(f"{seed}/{step}/{rank}").getrandbits(63)
+    generator = torch.Generator().manual_seed(batch_seed)
+    starts = torch.randint(len(data) - seq_len - 1, (batch_size,), generator=generator)
+    inputs = torch.stack([data[s : s + seq_len] for s in starts.tolist()])
+    targets = torch.stack([data[s + 1 : s + seq_len + 1] for s in starts.tolist()])
+    return inputs, targets
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    vocab_size: int
+    seq_len: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time_, channels = x.shape
+        q, k, v = self.qkv(x).split(channels, dim=2)
+        shape = (batch, time_, self.n_head, channels // self.n_head)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out: torch.Tensor = self.proj(y.transpose(1, 2).reshape(batch, time_, channels))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln2 = nn.LayerNorm(config.n_embd)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.n_embd, 4 * config.n_embd),
+            nn.GELU(),
+            nn.Linear(4 * config.n_embd, config.n_embd),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.pos_emb = nn.Embedding(config.seq_len, config.n_embd)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd)
+        self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+# ------------------------------------------------------------------------ training
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch-size", type=int, default=8, help="per rank")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--n-layer", type=int, default=2)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds after each step")
+    parser.add_argument("--save-weights", metavar="PATH", help="rank 0 saves the final weights")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--log-every", type=int, default=1)
+    return parser.parse_args()
+
+
+def setup(device_kind: str, seed: int) -> tuple[int, int, torch.device]:
+    """Seed everything and join the process group if launched by torchrun."""
+    if device_kind == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if device_kind == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1, device
+    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def lr_lambda(total_steps: int) -> Callable[[int], float]:
+    """Linear warmup over the first 10% of steps, then cosine decay to 10%."""
+    warmup = max(1, total_steps // 10)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total_steps - warmup)
+        return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def mean_across_ranks(value: torch.Tensor, world_size: int) -> float:
+    """The mean of a scalar over all ranks (the value itself without a group)."""
+    if world_size == 1:
+        return value.item()
+    total = value.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / world_size
+
+
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """One optimizer step; returns this rank's loss."""
+    optimizer.zero_grad(set_to_none=True)
+    loss: torch.Tensor = model(inputs, targets)
+    torch.autograd.backward(loss)
+    optimizer.step()
+    scheduler.step()
+    return loss.detach()
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world_size, device = setup(args.device, args.seed)
+    data, vocab_size = encode(make_corpus(args.seed))
+    config = GPTConfig(
+        vocab_size=vocab_size,
+        seq_len=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+    )
+    model = GPT(config).to(device)
+    ddp_model: nn.Module = DistributedDataParallel(model) if world_size > 1 else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
+    start = 0
+    # checkpoint hook goes here
+    loss = float("nan")
+    for step in range(start, args.steps):
+        inputs, targets = get_batch(data, args.seed, step, rank, args.batch_size, args.seq_len)
+        rank_loss = train_step(
+            ddp_model, optimizer, scheduler, inputs.to(device), targets.to(device)
+        )
+        loss = mean_across_ranks(rank_loss, world_size)
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            print(f"step {step} loss {loss:.4f}", flush=True)
+        # checkpoint hook goes here
+        if args.sleep > 0:
+            time.sleep(args.sleep)
+    if rank == 0:
+        print(f"done steps={args.steps} final_loss={loss:.4f}", flush=True)
+        if args.save_weights:
+            torch.save(model.state_dict(), args.save_weights)
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The ``gemini`` command line: click commands that parse, call ``launcher`` and render."""

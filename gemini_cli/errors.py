@@ -1,0 +1,35 @@
+"""The one table from exceptions to exit codes (documented in the README)."""
+
+from __future__ import annotations
+
+from launcher.errors import (
+    CheckpointError,
+    ConfigError,
+    GeminiError,
+    Interrupted,
+    StorageError,
+    StoreError,
+    WorkerFailedError,
+)
+
+#: Checked in order; the first matching class gives the exit code.
+EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
+    (WorkerFailedError, 1),  # torchrun's code for a failed worker group
+    (ConfigError, 2),  # bad flags, config file or environment (UsageError too)
+    (StoreError, 3),
+    (StorageError, 4),
+    (CheckpointError, 5),
+    (GeminiError, 1),
+)
+USAGE_EXIT = 2
+INTERNAL_EXIT = 70  # an unexpected bug in gemini (EX_SOFTWARE)
+
+
+def exit_code(exc: BaseException) -> int:
+    """The exit code for ``exc``; a signal stop exits 128 + the signal number."""
+    if isinstance(exc, Interrupted):
+        return 128 + exc.signum
+    for cls, code in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return INTERNAL_EXIT

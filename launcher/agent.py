@@ -1,0 +1,356 @@
+"""The per-host supervisor: torch elastic's ``LocalElasticAgent`` with gemini's services.
+
+``launch`` turns a :class:`RunConfig` into exactly what torchrun would build (torchrun's
+own argument parser and ``config_from_args``), then runs :class:`GeminiAgent` instead of
+the stock agent. The agent keeps torch elastic's monitor/restart loop and adds:
+
+* a fresh worker TCP store every rendezvous round, so restarted gloo workers never read
+  the previous round's addresses (torchrun reuses one store: pytorch/pytorch#135712);
+* JSON-lines events (rendezvous, start, worker exit, restart, stop, exit);
+* extension points (:class:`SupervisorService`) where the memory, replication, health
+  and persistence services plug in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from launcher.config import RunConfig
+from launcher.errors import Interrupted, UsageError, WorkerFailedError
+from launcher.events import EventLog, run_directory
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+#: Variables gemini adds to the worker environment (on top of torchrun's).
+ENV_RUN_DIR = "GEMINI_RUN_DIR"
+ENV_HOST_ID = "GEMINI_HOST_ID"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Command:
+    """The training command: a script (or module, or executable) and its arguments."""
+
+    script: str
+    """Path of the training script, module name with ``--module``, or an executable."""
+    args: tuple[str, ...] = ()
+    """Arguments passed to the script unchanged."""
+
+
+class SupervisorService(Protocol):
+    """A per-host service run by the supervisor around each round of workers.
+
+    Calls happen on the agent's thread, in this order per round: ``before_start`` (the
+    ranks are known, the workers not yet started), ``after_stop`` (the workers have
+    exited or been stopped); ``close`` once when the supervisor ends.
+    """
+
+    def before_start(self, group: WorkerGroup) -> None: ...
+
+    def after_stop(self, group: WorkerGroup) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _torch_agent_base() -> type:
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    return LocalElasticAgent
+
+
+def make_agent(*args: Any, events: EventLog, services: Sequence[SupervisorService],
+               **kwargs: Any) -> Any:
+    """Build a :class:`GeminiAgent` (defined lazily: importing it imports torch)."""
+    return _agent_class()(*args, events=events, services=services, **kwargs)
+
+
+_AGENT_CLASS: type | None = None
+
+
+def _agent_class() -> type:
+    global _AGENT_CLASS
+    if _AGENT_CLASS is None:
+        _AGENT_CLASS = _define_agent(_torch_agent_base())
+    return _AGENT_CLASS
+
+
+def _define_agent(base: type) -> type:
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.agent.server.api import WorkerState
+
+    class GeminiAgent(base):  # type: ignore[valid-type,misc]
+        """LocalElasticAgent plus a per-round worker store, events and services."""
+
+        def __init__(self, *args: Any, events: EventLog,
+                     services: Sequence[SupervisorService], **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._events = events
+            self._services = list(services)
+            self._round = 0
+            self._worker_store: TCPStore | None = None
+            self._reported_failure = False
+
+        # -- rendezvous: a fresh store for the workers of every round ------------------
+        def _rendezvous(self, worker_group: WorkerGroup) -> None:
+            super()._rendezvous(worker_group)
+            self._round += 1
+            if worker_group.spec.rdzv_handler.use_agent_store:
+                self._publish_worker_store(worker_group)
+            self._events.write(
+                "rendezvous",
+                round=self._round,
+                group_rank=worker_group.group_rank,
+                group_world_size=worker_group.group_world_size,
+                restart_count=self._restart_count(worker_group),
+                master_addr=worker_group.master_addr,
+                master_port=worker_group.master_port,
+                ranks=[w.global_rank for w in worker_group.workers],
+            )
+
+        def _publish_worker_store(self, worker_group: WorkerGroup) -> None:
+            """Group rank 0 hosts a new TCPStore for this round's workers; all agents point
+            MASTER_ADDR/MASTER_PORT at it. Keys of earlier rounds cannot leak into it."""
+            store = worker_group.store
+            key = f"gemini/worker_store/{self._restart_count(worker_group)}"
+            self._worker_store = None  # the previous round's server shuts down
+            if worker_group.group_rank == 0:
+                self._worker_store = TCPStore(
+                    host_name=worker_group.master_addr, port=0, is_master=True,
+                    wait_for_workers=False,
+                )
+                address = [worker_group.master_addr, self._worker_store.port]
+                store.set(key, json.dumps(address))
+            else:
+                address = json.loads(store.get(key))
+            worker_group.master_addr, worker_group.master_port = address[0], int(address[1])
+
+        def _restart_count(self, worker_group: WorkerGroup) -> int:
+            return int(worker_group.spec.max_restarts - self._remaining_restarts)
+
+        # -- workers -------------------------------------------------------------------
+        def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+            for service in self._services:
+                service.before_start(worker_group)
+            self._reported_failure = False
+            pids = super()._start_workers(worker_group)
+            self._events.write(
+                "start",
+                round=self._round,
+                restart_count=self._restart_count(worker_group),
+                workers=[
+                    {"local_rank": w.local_rank, "rank": w.global_rank,
+                     "pid": pids.get(w.local_rank)}
+                    for w in worker_group.workers
+                ],
+            )
+            return dict(pids)
+
+        def _stop_workers(self, worker_group: WorkerGroup) -> None:
+            super()._stop_workers(worker_group)
+            self._events.write("stop", round=self._round)
+            for service in self._services:
+                service.after_stop(worker_group)
+
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and (
+                not self._reported_failure
+            ):
+                self._reported_failure = True
+                self._events.write(
+                    "worker_exit",
+                    round=self._round,
+                    state=result.state.name,
+                    failures=[_failure_record(rank, f) for rank, f in result.failures.items()],
+                )
+            return result
+
+        def _restart_workers(self, worker_group: WorkerGroup) -> None:
+            failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+            self._events.write(
+                "restart",
+                round=self._round,
+                reason="failure" if failed else "membership",
+                restart_count=self._restart_count(worker_group),
+                remaining_restarts=self._remaining_restarts,
+            )
+            super()._restart_workers(worker_group)
+
+    return GeminiAgent
+
+
+def _failure_record(rank: int, failure: Any) -> dict[str, Any]:
+    """A JSON-friendly summary of torch elastic's ``ProcessFailure``."""
+    return {
+        "rank": rank,
+        "local_rank": failure.local_rank,
+        "pid": failure.pid,
+        "exitcode": failure.exitcode,
+        "signal": failure.signal_name() if failure.exitcode < 0 else None,
+        "error_file": failure.error_file,
+        "message": failure.message if isinstance(failure.message, str) else None,
+    }
+
+
+# -- launching --------------------------------------------------------------------------
+
+def torchrun_argv(config: RunConfig, command: Command) -> list[str]:
+    """The torchrun command line equivalent to ``config`` and ``command``."""
+    argv: list[str] = []
+    for field in dataclasses.fields(RunConfig):
+        if field.name == "run_root":
+            continue
+        value = getattr(config, field.name)
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+        elif value is not None and value != "":
+            argv.append(f"{flag}={value}")
+    return [*argv, command.script, *command.args]
+
+
+def check_command(config: RunConfig, command: Command) -> None:
+    """Fail early, with a one-line reason, on a training command that cannot start."""
+    import shutil
+
+    if config.module:
+        return  # a module is found by the workers' interpreter
+    if config.no_python:
+        if shutil.which(command.script) is None:
+            raise UsageError(f"training command not found or not executable: {command.script}")
+        return
+    if not Path(command.script).is_file():
+        raise UsageError(f"training script not found: {command.script}")
+
+
+def launch(config: RunConfig, command: Command, *,
+           services: Sequence[SupervisorService] = ()) -> None:
+    """Run the job on this host until it succeeds, fails or is stopped by a signal.
+
+    Raises :class:`WorkerFailedError` with torchrun's failure summary when the worker
+    group fails with no restarts left, and :class:`Interrupted` on a handled signal.
+    """
+    check_command(config, command)
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic import events as torch_events
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,
+        get_error_handler,
+    )
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.launcher.api import _get_addr_and_port, _get_entrypoint_name
+
+    args = torchrun.parse_args(torchrun_argv(config, command))
+    _apply_torchrun_defaults(args, torchrun.parse_min_max_nnodes)
+    launch_config, entrypoint, entry_args = torchrun.config_from_args(args)
+    if not launch_config.run_id:
+        launch_config.run_id = str(uuid.uuid4().int)
+
+    run_dir = run_directory(config.run_root, launch_config.run_id)
+    host_id = os.environ.get(ENV_HOST_ID) or socket.gethostname()
+    events = EventLog(run_dir, host=host_id)
+    os.environ[ENV_RUN_DIR] = str(run_dir)
+    os.environ[ENV_HOST_ID] = host_id
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = launch_config.signals_to_handle
+
+    rdzv_parameters = RendezvousParameters(
+        backend=launch_config.rdzv_backend,
+        endpoint=launch_config.rdzv_endpoint,
+        run_id=launch_config.run_id,
+        min_nodes=launch_config.min_nodes,
+        max_nodes=launch_config.max_nodes,
+        local_addr=launch_config.local_addr,
+        **launch_config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(rdzv_parameters)
+    spec = WorkerSpec(
+        role=launch_config.role,
+        local_world_size=launch_config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(entry_args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+        max_restarts=launch_config.max_restarts,
+        monitor_interval=launch_config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=launch_config.local_addr,
+        event_log_handler=launch_config.event_log_handler,
+        numa_options=launch_config.numa_options,
+        duplicate_stdout_filters=launch_config.duplicate_stdout_filters,
+        duplicate_stderr_filters=launch_config.duplicate_stderr_filters,
+        virtual_local_rank=launch_config.virtual_local_rank,
+    )
+    agent = make_agent(
+        spec=spec,
+        logs_specs=launch_config.logs_specs,
+        start_method=launch_config.start_method,
+        log_line_prefix_template=launch_config.log_line_prefix_template,
+        shutdown_timeout=launch_config.shutdown_timeout,
+        events=events,
+        services=services,
+    )
+    events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,
+                 nproc_per_node=launch_config.nproc_per_node,
+                 rdzv_backend=launch_config.rdzv_backend,
+                 max_restarts=launch_config.max_restarts,
+                 entrypoint=_get_entrypoint_name(entrypoint, list(entry_args)))
+    error_handler = get_error_handler()
+    error_handler.initialize()
+    shutdown_rdzv = True
+    outcome = "failed"
+    try:
+        result = agent.run()
+        torch_events.record(agent.get_event_succeeded(), launch_config.event_log_handler)
+        if result is not None and result.is_failed():
+            failed = ChildFailedError(
+                name=_get_entrypoint_name(entrypoint, list(entry_args)),
+                failures=result.failures,
+            )
+            _, first = failed.get_first_failure()
+            if first.error_file != "<N/A>":
+                error_handler.dump_error_file(first.error_file, first.exitcode)
+            raise WorkerFailedError(failed.format_msg())
+        outcome = "succeeded"
+    except SignalException as exc:
+        shutdown_rdzv = False
+        outcome = "interrupted"
+        torch_events.record(agent.get_event_failed(), launch_config.event_log_handler)
+        raise Interrupted(int(exc.sigval)) from None
+    finally:
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()
+        for service in services:
+            service.close()
+        events.write("exit", outcome=outcome)
+        events.close()
+
+
+def _apply_torchrun_defaults(args: Any, parse_min_max_nnodes: Any) -> None:
+    """What ``torch.distributed.run.run`` does to its arguments before ``config_from_args``."""
+    if args.standalone:
+        args.rdzv_backend = "c10d"
+        args.rdzv_endpoint = "localhost:0"
+        args.rdzv_id = str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        _, max_nodes = parse_min_max_nnodes(args.nnodes)
+        if max_nodes == 1:
+            args.rdzv_backend = "c10d"
+            args.rdzv_endpoint = "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500

@@ -1,0 +1,276 @@
+"""Configuration of ``gemini run``: one frozen dataclass, built from flags, environment and file.
+
+Precedence, highest first: command line > ``GEMINI_<KEY>`` environment variable >
+torchrun's own ``PET_<KEY>`` variable > ``--config`` YAML file > default. Constructing a
+:class:`RunConfig` validates it and does no I/O; :func:`read_config_file` is the only
+function here that touches the file system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from launcher.errors import ConfigError
+
+StartMethod = Literal["spawn", "fork", "forkserver"]
+NumaBinding = Literal["node", "socket", "exclusive", "core-complex"]
+
+_NNODES = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
+_NPROC_NAMES = ("auto", "cpu", "gpu", "xpu")
+_STD_SPEC = re.compile(r"^([0-3])$|^(\d+:[0-3])(,\d+:[0-3])*$")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off", ""})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything ``gemini run`` needs besides the training command itself.
+
+    The first group of fields are torchrun's flags, with torchrun's names, meanings and
+    defaults; the second group are gemini's own.
+    """
+
+    # --- torchrun's flags -------------------------------------------------------------
+    nnodes: str = "1:1"
+    """Number of nodes, ``N`` or ``MIN:MAX`` for an elastic job."""
+    nproc_per_node: str = "1"
+    """Workers per node: an integer, or ``auto``, ``cpu``, ``gpu``, ``xpu``."""
+    node_rank: int = 0
+    """This node's rank for the ``static`` rendezvous backend."""
+    rdzv_backend: str = "static"
+    """Rendezvous backend: ``static``, ``c10d``, ``etcd``, ``etcd-v2`` or a registered one."""
+    rdzv_endpoint: str = ""
+    """Rendezvous endpoint, ``HOST[:PORT]``."""
+    rdzv_id: str = "none"
+    """Job id shared by every node of the job."""
+    rdzv_conf: str = ""
+    """Extra rendezvous settings, ``key1=value1,key2=value2``."""
+    standalone: bool = False
+    """Single-node job with a private rendezvous on localhost (ignores the rdzv flags)."""
+    max_restarts: int = 0
+    """How many times the worker group may be restarted before the job fails."""
+    monitor_interval: float = 0.1
+    """Seconds between two checks of the workers' state."""
+    start_method: StartMethod = "spawn"
+    """How workers are created when the entry point is a function."""
+    event_log_handler: str = "null"
+    """torch elastic's event log handler."""
+    role: str = "default"
+    """Role of the workers."""
+    module: bool = False
+    """Run the script as a module (``python -m``)."""
+    no_python: bool = False
+    """Run the script directly instead of through ``python``."""
+    run_path: bool = False
+    """Run the script in the launcher's interpreter with ``runpy.run_path``."""
+    log_dir: str | None = None
+    """Directory for the workers' log files (a fresh temporary one when unset)."""
+    redirects: str = "0"
+    """Redirect worker streams into log files: 0 none, 1 stdout, 2 stderr, 3 both; or ``rank:N,...``."""
+    tee: str = "0"
+    """Like ``redirects`` but also keep writing to the console."""
+    local_ranks_filter: str = ""
+    """Comma-separated local ranks whose output reaches the console."""
+    duplicate_stdout_filters: str = ""
+    """Comma-separated strings; stdout lines containing one are copied to a filtered log."""
+    duplicate_stderr_filters: str = ""
+    """Comma-separated strings; stderr lines containing one are copied to a filtered log."""
+    master_addr: str = "127.0.0.1"
+    """Address of node rank 0 for the ``static`` backend."""
+    master_port: int | None = None
+    """Port of node rank 0 for the ``static`` backend (29500 when unset)."""
+    local_addr: str | None = None
+    """This node's address as other nodes reach it."""
+    logs_specs: str | None = None
+    """Name of a ``torchrun.logs_specs`` entry point that lays out the log files."""
+    numa_binding: NumaBinding | None = None
+    """NUMA binding of the workers."""
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    """Signals that stop the launcher gracefully, forwarded to the workers."""
+    shutdown_timeout: int | None = None
+    """Seconds between SIGTERM and SIGKILL when stopping workers (30 when unset)."""
+    virtual_local_rank: bool = False
+    """Give every worker LOCAL_RANK=0 and restrict its visible devices to one."""
+
+    # --- gemini's own -------------------------------------------------------------------
+    run_root: str = "~/.local/state/gemini/runs"
+    """Directory under which each run gets a directory for its events and state."""
+
+    def __post_init__(self) -> None:
+        _parse_nnodes(self.nnodes)
+        if not (self.nproc_per_node.isdigit() and int(self.nproc_per_node) > 0) and (
+            self.nproc_per_node not in _NPROC_NAMES
+        ):
+            raise ConfigError(
+                f"nproc_per_node={self.nproc_per_node!r}: expected a positive integer or one "
+                f"of {', '.join(_NPROC_NAMES)}"
+            )
+        if self.node_rank < 0:
+            raise ConfigError(f"node_rank={self.node_rank}: must be >= 0")
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts={self.max_restarts}: must be >= 0")
+        if self.monitor_interval <= 0:
+            raise ConfigError(f"monitor_interval={self.monitor_interval}: must be > 0")
+        if self.master_port is not None and not 0 <= self.master_port < 65536:
+            raise ConfigError(f"master_port={self.master_port}: must be in 0..65535")
+        if self.shutdown_timeout is not None and self.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout}: must be >= 0")
+        for name in ("redirects", "tee"):
+            value = getattr(self, name)
+            if not _STD_SPEC.match(value):
+                raise ConfigError(f"{name}={value!r}: expected 0-3 or 'rank:N,...' like '0:1,1:2'")
+        if self.local_ranks_filter and not re.fullmatch(r"\d+(,\d+)*", self.local_ranks_filter):
+            raise ConfigError(
+                f"local_ranks_filter={self.local_ranks_filter!r}: expected comma-separated integers"
+            )
+        for item in filter(None, self.rdzv_conf.split(",")):
+            if "=" not in item or not item.split("=", 1)[0].strip():
+                raise ConfigError(f"rdzv_conf item {item!r}: expected key=value")
+        if self.module and self.no_python:
+            raise ConfigError("--module and --no-python cannot be used together")
+        for name in ("start_method", "numa_binding"):
+            _check_literal(name, getattr(self, name))
+
+    @property
+    def min_max_nodes(self) -> tuple[int, int]:
+        """``nnodes`` as a ``(min, max)`` pair."""
+        return _parse_nnodes(self.nnodes)
+
+
+def _parse_nnodes(value: str) -> tuple[int, int]:
+    match = _NNODES.match(value)
+    if not match:
+        raise ConfigError(f"nnodes={value!r}: expected N or MIN:MAX, e.g. 2 or 1:4")
+    low = int(match.group(1))
+    high = int(match.group(2)) if match.group(2) is not None else low
+    if not 0 < low <= high:
+        raise ConfigError(f"nnodes={value!r}: need 0 < MIN <= MAX")
+    return low, high
+
+
+def _field_type(name: str) -> Any:
+    return typing.get_type_hints(RunConfig)[name]
+
+
+def _check_literal(name: str, value: object) -> None:
+    choices = [
+        arg
+        for part in _union_members(_field_type(name))
+        if typing.get_origin(part) is Literal
+        for arg in typing.get_args(part)
+    ]
+    if value is not None and choices and value not in choices:
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(map(str, choices))}")
+
+
+def _union_members(tp: Any) -> tuple[Any, ...]:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return typing.get_args(tp)
+    return (tp,)
+
+
+FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def closest_key(name: str) -> str:
+    """A " (did you mean X?)" hint for an unknown key, or an empty string."""
+    matches = difflib.get_close_matches(name, FIELD_NAMES, n=1, cutoff=0.5)
+    return f" (did you mean {matches[0]!r}?)" if matches else ""
+
+
+def convert_value(name: str, raw: Any, source: str) -> Any:
+    """Convert a value from an environment variable (a string) or YAML to the field's type."""
+    members = _union_members(_field_type(name))
+    if raw is None:
+        if type(None) in members:
+            return None
+        raise ConfigError(f"{source}: {name} must not be empty")
+    base = next(m for m in members if m is not type(None))
+    try:
+        if base is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in _TRUE:
+                return True
+            if text in _FALSE:
+                return False
+            raise ValueError(raw)
+        if base is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError(raw)
+            return int(raw)
+        if base is float:
+            if isinstance(raw, bool):
+                raise ValueError(raw)
+            return float(raw)
+        if isinstance(raw, (dict, list)):
+            raise ValueError(raw)
+        return str(raw)
+    except ValueError:
+        kind = getattr(base, "__name__", "one of the allowed values")
+        raise ConfigError(f"{source}: {name}={raw!r} is not a valid {kind}") from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a ``gemini.yaml``; keys may be spelled with dashes or underscores."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"config file {path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of keys to values")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in FIELD_NAMES:
+            raise ConfigError(f"config file {path}: unknown key {key!r}{closest_key(name)}")
+        values[name] = convert_value(name, value, f"config file {path}")
+    return values
+
+
+def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Config values set through ``GEMINI_<KEY>`` (or torchrun's ``PET_<KEY>``) variables."""
+    values: dict[str, Any] = {}
+    for name in FIELD_NAMES:
+        for prefix in ("GEMINI_", "PET_"):
+            var = prefix + name.upper()
+            if var in environ:
+                values[name] = convert_value(name, environ[var], f"environment variable {var}")
+                break
+    return values
+
+
+def resolve(
+    *,
+    cli: Mapping[str, Any],
+    environ: Mapping[str, str],
+    file_values: Mapping[str, Any],
+) -> RunConfig:
+    """Merge the sources by precedence (command line > environment > file > default)."""
+    merged: dict[str, Any] = dict(file_values)
+    merged.update(env_values(environ))
+    for name, value in cli.items():
+        if name not in FIELD_NAMES:
+            raise ConfigError(f"unknown option {name!r}{closest_key(name)}")
+        merged[name] = value
+    return RunConfig(**merged)

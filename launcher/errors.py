@@ -1,0 +1,52 @@
+"""The one exception family of gemini.
+
+Every error that reaches a user derives from :class:`GeminiError`; infrastructure errors
+are translated at the edge (``raise StoreError(...) from exc``). ``gemini_cli.errors``
+maps each class to a documented exit code.
+"""
+
+from __future__ import annotations
+
+
+class GeminiError(Exception):
+    """Base class of every error gemini reports to a user."""
+
+
+class ConfigError(GeminiError):
+    """A flag, environment variable or config file value is invalid."""
+
+
+class UsageError(ConfigError):
+    """The command line itself is wrong (missing script, conflicting flags)."""
+
+
+class StoreError(GeminiError):
+    """The coordination store is unreachable or answered inconsistently."""
+
+
+class StorageError(GeminiError):
+    """Shared memory or persistent storage cannot hold or return a checkpoint."""
+
+
+class CheckpointError(GeminiError):
+    """A checkpoint is missing, corrupt, or does not match the model."""
+
+
+class WorkerFailedError(GeminiError):
+    """The worker group failed and no restarts are left.
+
+    ``summary`` is torch elastic's failure report (rank, exit code or signal, error
+    file, root cause), printed verbatim as torchrun prints it.
+    """
+
+    def __init__(self, summary: str) -> None:
+        super().__init__(summary)
+        self.summary = summary
+
+
+class Interrupted(GeminiError):
+    """``gemini run`` was stopped by a signal; its workers were shut down."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signum}")
+        self.signum = signum

@@ -1,0 +1,61 @@
+"""JSON-lines event log of a run: what the supervisors did, for ``gemini status``.
+
+Each run has a directory ``<run_root>/<run_id>``; every supervisor appends one JSON object
+per line to ``events.jsonl`` there with a single ``write`` on an ``O_APPEND`` descriptor,
+so lines from several supervisors on one machine never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+
+
+def run_directory(run_root: str, run_id: str) -> Path:
+    """Where the run's events and state live (the path, without creating it)."""
+    return Path(os.path.expanduser(run_root)) / run_id
+
+
+class EventLog:
+    """Appends events for one supervisor; safe to use after ``close`` (it then drops them)."""
+
+    def __init__(self, run_dir: Path, *, host: str | None = None) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = run_dir / EVENTS_FILE
+        self.host = host or socket.gethostname()
+        self._fd: int | None = os.open(
+            self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
+
+    def write(self, event: str, **fields: Any) -> None:
+        """Record ``event`` with ``fields``; values must be JSON-serialisable."""
+        if self._fd is None:
+            return
+        record = {"ts": round(time.time(), 6), "event": event, "host": self.host,
+                  "pid": os.getpid(), **fields}
+        os.write(self._fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """Yield the run's events in file order, skipping a torn last line."""
+    try:
+        with open(run_dir / EVENTS_FILE, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        return

@@ -1,0 +1,1 @@
+"""Templates printed by ``gemini template`` (installed as the ``gemini_templates`` package)."""
