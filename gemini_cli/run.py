@@ -80,7 +80,7 @@ def _options(command: Callable[..., Any]) -> Callable[..., Any]:
     context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
     short_help="Launch training like torchrun, with in-memory checkpoints.",
 )
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+@click.option("--config", "config_file", default=None, metavar="FILE",
               help="gemini.yaml with defaults for any flag (see `gemini template config`).")
 @_options
 @click.argument("script", metavar="SCRIPT|MODULE")

@@ -113,29 +113,31 @@ class RunConfig:
         ):
             raise ConfigError(
                 f"nproc_per_node={self.nproc_per_node!r}: expected a positive integer or one "
-                f"of {', '.join(_NPROC_NAMES)}"
+                f"of {', '.join(_NPROC_NAMES)}", field="nproc_per_node"
             )
         if self.node_rank < 0:
-            raise ConfigError(f"node_rank={self.node_rank}: must be >= 0")
+            raise ConfigError(f"node_rank={self.node_rank}: must be >= 0", field="node_rank")
         if self.max_restarts < 0:
-            raise ConfigError(f"max_restarts={self.max_restarts}: must be >= 0")
+            raise ConfigError(f"max_restarts={self.max_restarts}: must be >= 0", field="max_restarts")
         if self.monitor_interval <= 0:
-            raise ConfigError(f"monitor_interval={self.monitor_interval}: must be > 0")
+            raise ConfigError(f"monitor_interval={self.monitor_interval}: must be > 0", field="monitor_interval")
         if self.master_port is not None and not 0 <= self.master_port < 65536:
-            raise ConfigError(f"master_port={self.master_port}: must be in 0..65535")
+            raise ConfigError(f"master_port={self.master_port}: must be in 0..65535", field="master_port")
         if self.shutdown_timeout is not None and self.shutdown_timeout < 0:
-            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout}: must be >= 0")
+            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout}: must be >= 0", field="shutdown_timeout")
         for name in ("redirects", "tee"):
             value = getattr(self, name)
             if not _STD_SPEC.match(value):
-                raise ConfigError(f"{name}={value!r}: expected 0-3 or 'rank:N,...' like '0:1,1:2'")
+                raise ConfigError(f"{name}={value!r}: expected 0-3 or 'rank:N,...' like '0:1,1:2'",
+                                  field=name)
         if self.local_ranks_filter and not re.fullmatch(r"\d+(,\d+)*", self.local_ranks_filter):
             raise ConfigError(
-                f"local_ranks_filter={self.local_ranks_filter!r}: expected comma-separated integers"
+                f"local_ranks_filter={self.local_ranks_filter!r}: expected comma-separated integers",
+                field="local_ranks_filter",
             )
         for item in filter(None, self.rdzv_conf.split(",")):
             if "=" not in item or not item.split("=", 1)[0].strip():
-                raise ConfigError(f"rdzv_conf item {item!r}: expected key=value")
+                raise ConfigError(f"rdzv_conf item {item!r}: expected key=value", field="rdzv_conf")
         if self.module and self.no_python:
             raise ConfigError("--module and --no-python cannot be used together")
         for name in ("start_method", "numa_binding"):
@@ -150,11 +152,11 @@ class RunConfig:
 def _parse_nnodes(value: str) -> tuple[int, int]:
     match = _NNODES.match(value)
     if not match:
-        raise ConfigError(f"nnodes={value!r}: expected N or MIN:MAX, e.g. 2 or 1:4")
+        raise ConfigError(f"nnodes={value!r}: expected N or MIN:MAX, e.g. 2 or 1:4", field="nnodes")
     low = int(match.group(1))
     high = int(match.group(2)) if match.group(2) is not None else low
     if not 0 < low <= high:
-        raise ConfigError(f"nnodes={value!r}: need 0 < MIN <= MAX")
+        raise ConfigError(f"nnodes={value!r}: need 0 < MIN <= MAX", field="nnodes")
     return low, high
 
 
@@ -170,7 +172,8 @@ def _check_literal(name: str, value: object) -> None:
         for arg in typing.get_args(part)
     ]
     if value is not None and choices and value not in choices:
-        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(map(str, choices))}")
+        raise ConfigError(f"{name}={value!r}: expected one of {', '.join(map(str, choices))}",
+                          field=name)
 
 
 def _union_members(tp: Any) -> tuple[Any, ...]:
@@ -268,9 +271,18 @@ def resolve(
 ) -> RunConfig:
     """Merge the sources by precedence (command line > environment > file > default)."""
     merged: dict[str, Any] = dict(file_values)
-    merged.update(env_values(environ))
+    sources = dict.fromkeys(file_values, "the config file")
+    for name, value in env_values(environ).items():
+        merged[name] = value
+        sources[name] = "the environment"
     for name, value in cli.items():
         if name not in FIELD_NAMES:
             raise ConfigError(f"unknown option {name!r}{closest_key(name)}")
         merged[name] = value
-    return RunConfig(**merged)
+        sources[name] = "the command line"
+    try:
+        return RunConfig(**merged)
+    except ConfigError as exc:
+        if exc.field in sources:
+            raise ConfigError(f"{exc} (set in {sources[exc.field]})", field=exc.field) from None
+        raise

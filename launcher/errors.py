@@ -13,7 +13,15 @@ class GeminiError(Exception):
 
 
 class ConfigError(GeminiError):
-    """A flag, environment variable or config file value is invalid."""
+    """A flag, environment variable or config file value is invalid.
+
+    ``field`` names the config key at fault, when there is one, so that the caller can
+    say where the bad value came from.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class UsageError(ConfigError):

@@ -1,0 +1,69 @@
+"""Test helpers: run real processes with a deadline, kill their whole process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "tests" / "scripts"
+EXAMPLES = REPO / "examples"
+GEMINI = (sys.executable, "-m", "gemini_cli")
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
+
+
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run(cmd: Sequence[str], *, timeout: float = 120, env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None) -> Done:
+    """Run ``cmd`` in its own process group; on timeout kill the group and fail."""
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(env) if env is not None else None,
+                            cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {cmd}\n{out}\n{err}") from None
+    finally:
+        kill_group(proc)
+    return Done(proc.returncode, out, err)
+
+
+def start(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
+          cwd: str | Path | None = None, stdout: int | None = subprocess.PIPE) -> subprocess.Popen[str]:
+    """Start ``cmd`` in its own process group (stop it with :func:`kill_group`)."""
+    return subprocess.Popen(list(cmd), stdout=stdout, stderr=subprocess.STDOUT, text=True,
+                            env=dict(env) if env is not None else None, cwd=cwd,
+                            start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL everything left in ``proc``'s process group (idempotent)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def env_with(tmp: Path, **extra: str) -> dict[str, str]:
+    """The test environment: a private run root, small thread counts, ``extra`` on top."""
+    env = dict(os.environ)
+    env.update({"GEMINI_RUN_ROOT": str(tmp / "runs"), "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env

@@ -1,0 +1,94 @@
+"""The command line: bad input gets one line on stderr and a documented exit code."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import GEMINI, SCRIPTS, env_with, run
+
+
+@pytest.mark.parametrize("args,exit_code,message", [
+    (["run", "--no-such-flag", "x.py"], 2, "No such option"),
+    (["run", "--nnodes", "2:1", "x.py"], 2, "nnodes='2:1'"),
+    (["run", "--nnodes", "two", "x.py"], 2, "expected N or MIN:MAX"),
+    (["run", "--max-restarts", "-1", "x.py"], 2, "max_restarts"),
+    (["run", "does-not-exist.py"], 2, "training script not found"),
+    (["run", "--no-python", "no-such-binary-xyz"], 2, "not found or not executable"),
+    (["run"], 2, "Missing argument"),
+    (["run", "--config", "/nonexistent/gemini.yaml", "x.py"], 2, "cannot read config file"),
+    (["run", "--config", "/", "x.py"], 2, "cannot read config file /: Is a directory"),
+    (["frobnicate"], 2, "No such command"),
+    (["template", "nope"], 2, "Invalid value"),
+])
+def test_bad_input_one_line(tmp_path: Path, args: list[str], exit_code: int,
+                            message: str) -> None:
+    done = run([*GEMINI, *args], env=env_with(tmp_path), cwd=tmp_path, timeout=60)
+    assert done.returncode == exit_code, done.output
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("gemini: error:") and message in lines[0], lines[0]
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize("text,message", [
+    ("nproc_per_nod: 2\n", "did you mean 'nproc_per_node'"),
+    ("nnodes: [\n", "line 2"),
+    ("max_restarts: lots\n", "not a valid int"),
+])
+def test_invalid_config_file(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "gemini.yaml").write_text(text)
+    script = tmp_path / "x.py"
+    script.write_text("")
+    done = run([*GEMINI, "run", "--config", "gemini.yaml", "x.py"], env=env_with(tmp_path),
+               cwd=tmp_path, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files regardless of mode")
+def test_unreadable_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "gemini.yaml"
+    path.write_text("nnodes: 1\n")
+    path.chmod(0)
+    done = run([*GEMINI, "run", "--config", str(path), "x.py"], env=env_with(tmp_path))
+    assert done.returncode == 2 and "cannot read config file" in done.stderr
+
+
+def test_env_config_error(tmp_path: Path) -> None:
+    done = run([*GEMINI, "run", str(SCRIPTS / "env_probe.py")],
+               env=env_with(tmp_path, GEMINI_NPROC_PER_NODE="zero"), timeout=60)
+    assert done.returncode == 2 and "set in the environment" in done.stderr
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["run", "--help"],
+                                  ["template", "config"], []])
+def test_fast_paths_do_not_import_torch(args: list[str]) -> None:
+    code = ("import sys; from gemini_cli.main import main; rc = main(%r); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)" % (args,))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout
+
+
+def test_run_help_lists_both_spellings() -> None:
+    done = run([*GEMINI, "run", "--help"])
+    for flag in ("--nproc-per-node", "--nproc_per_node", "--rdzv-backend", "--rdzv_backend",
+                 "--max-restarts", "--standalone", "--local-ranks-filter", "-m, --module",
+                 "--no-python", "--run-path", "-r, --redirects", "-t, --tee", "--master-port",
+                 "--config"):
+        assert flag in done.stdout, flag
+
+
+def test_template_slurm_uses_slurm_variables() -> None:
+    done = run([*GEMINI, "template", "slurm"])
+    assert done.returncode == 0
+    assert "SLURM_JOB_NODELIST" in done.stdout and "gemini run" in done.stdout
+    assert "$SLURM_JOB_ID" in done.stdout
+    done = subprocess.run(["bash", "-n"], input=done.stdout, text=True, capture_output=True)
+    assert done.returncode == 0, done.stderr
