@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from launcher.config import RunConfig
-from launcher.errors import Interrupted, UsageError, WorkerFailedError
+from launcher.errors import Interrupted, StoreError, UsageError, WorkerFailedError
 from launcher.events import EventLog, run_directory
 
 if TYPE_CHECKING:
@@ -122,7 +122,12 @@ def _define_agent(base: type) -> type:
             """Group rank 0 hosts a new TCPStore for this round's workers; all agents point
             MASTER_ADDR/MASTER_PORT at it. Keys of earlier rounds cannot leak into it."""
             store = worker_group.store
-            key = f"gemini/worker_store/{self._restart_count(worker_group)}"
+            # Dynamic backends hand out a store scoped to the round; the static backend's
+            # store lives for the whole run, where only restarts start a new round.
+            static = worker_group.spec.rdzv_handler.get_backend() == "static"
+            key = "gemini/worker_store" + (
+                f"/{self._restart_count(worker_group)}" if static else ""
+            )
             self._worker_store = None  # the previous round's server shuts down
             if worker_group.group_rank == 0:
                 self._worker_store = TCPStore(
@@ -250,7 +255,8 @@ def launch(config: RunConfig, command: Command, *,
         get_error_handler,
     )
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.launcher.api import _get_addr_and_port, _get_entrypoint_name
@@ -326,6 +332,8 @@ def launch(config: RunConfig, command: Command, *,
                 error_handler.dump_error_file(first.error_file, first.exitcode)
             raise WorkerFailedError(failed.format_msg())
         outcome = "succeeded"
+    except (RendezvousError, DistError) as exc:
+        raise StoreError(f"rendezvous failed: {type(exc).__name__}: {exc}") from exc
     except SignalException as exc:
         shutdown_rdzv = False
         outcome = "interrupted"

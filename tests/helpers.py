@@ -67,3 +67,22 @@ def env_with(tmp: Path, **extra: str) -> dict[str, str]:
     env.update({"GEMINI_RUN_ROOT": str(tmp / "runs"), "PYTHONUNBUFFERED": "1"})
     env.update(extra)
     return env
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that was free a moment ago."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def events(run_root: Path) -> list[dict[str, object]]:
+    """Every event of every run under ``run_root``, in file order."""
+    import json
+
+    found: list[dict[str, object]] = []
+    for path in sorted(run_root.glob("*/events.jsonl")):
+        found.extend(json.loads(line) for line in path.read_text().splitlines() if line)
+    return found

@@ -1,0 +1,109 @@
+"""gemini run behaves like torchrun: worker environment, restarts, failure summary, exit code."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from helpers import GEMINI, SCRIPTS, TORCHRUN, env_with, events, free_port, run, start
+
+# Values that differ between any two launches of the same command, even of torchrun itself.
+PER_LAUNCH = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+
+
+def _worker_envs(launcher: tuple[str, ...], flags: list[str], out: Path,
+                 tmp_path: Path) -> dict[int, dict[str, str]]:
+    out.mkdir()
+    done = run([*launcher, *flags, str(SCRIPTS / "env_probe.py"), str(out)],
+               env=env_with(tmp_path), cwd=tmp_path)
+    assert done.returncode == 0, done.output
+    return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("env-*.json")}
+
+
+@pytest.mark.parametrize("flags", [["--nproc-per-node", "2"],
+                                   ["--standalone", "--nproc_per_node=3", "--max-restarts=1"]])
+def test_worker_environment_equals_torchrun(tmp_path: Path, flags: list[str]) -> None:
+    torch_envs = _worker_envs(TORCHRUN, flags, tmp_path / "torchrun", tmp_path)
+    gemini_envs = _worker_envs(GEMINI, ["run", *flags], tmp_path / "gemini", tmp_path)
+    assert sorted(torch_envs) == sorted(gemini_envs) and len(torch_envs) > 1
+    for rank, expected in torch_envs.items():
+        got = gemini_envs[rank]
+        extra = set(got) - set(expected)
+        assert {"GEMINI_RUN_DIR", "GEMINI_HOST_ID"} <= extra
+        assert all(k.startswith("GEMINI_") for k in extra), extra
+        assert set(expected) <= set(got), set(expected) - set(got)
+        differing = {k for k in expected if expected[k] != got[k]} - PER_LAUNCH
+        assert not differing, {k: (expected[k], got[k]) for k in differing}
+        for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                    "ROLE_RANK", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
+                    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"):
+            assert got[key] == expected[key], key
+
+
+def test_crash_once_is_restarted_and_succeeds(tmp_path: Path) -> None:
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "2",
+                str(SCRIPTS / "crash_ddp.py"), "1", "1"], env=env_with(tmp_path))
+    assert done.returncode == 0, done.output
+    assert "ok rank=0 restart=1" in done.stdout and "ok rank=1 restart=1" in done.stdout
+    kinds = [e["event"] for e in events(tmp_path / "runs")]
+    assert kinds.count("restart") == 1 and kinds.count("start") == 2
+    assert kinds[-1] == "exit"
+
+
+def test_gloo_restarts_are_reliable_many_times_in_a_row(tmp_path: Path) -> None:
+    """torchrun 2.13 fails this (stale gloo addresses in the reused store, #135712)."""
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "5",
+                str(SCRIPTS / "crash_ddp.py"), "1", "5"], env=env_with(tmp_path), timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    assert "connectFullMesh" not in done.output
+    assert "ok rank=1 restart=5" in done.stdout
+    restarts = [e for e in events(tmp_path / "runs") if e["event"] == "restart"]
+    assert [e["restart_count"] for e in restarts] == [1, 2, 3, 4, 5]
+
+
+def _summary(text: str) -> list[str]:
+    """torch elastic's failure block, with per-launch values masked."""
+    start_at = text.index("Root Cause (first observed failure):")
+    block = text[start_at:].splitlines()[:12]
+    masked = [re.sub(r"(time|host)\s*:.*", r"\1: *", line) for line in block]
+    return [re.sub(r"pid: \d+", "pid: *", line) for line in masked]
+
+
+def test_always_crashing_worker_fails_like_torchrun(tmp_path: Path) -> None:
+    script = [str(SCRIPTS / "crash_ddp.py"), "1", "99"]
+    ours = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "2", *script],
+               env=env_with(tmp_path), timeout=180)
+    # torchrun itself is compared without restarts: its restarts of gloo jobs fail on stale
+    # store keys (#135712), which would change its root cause.
+    theirs = run([*TORCHRUN, "--nproc-per-node", "2", "--max-restarts", "0", *script],
+                 env=env_with(tmp_path), timeout=180)
+    assert ours.returncode == theirs.returncode == 1
+    assert "rank      : 1 (local_rank: 1)" in ours.stderr
+    assert "exitcode  : 3" in ours.stderr
+    assert _summary(ours.stderr) == _summary(theirs.stderr)
+    assert "Traceback" not in ours.stderr.split("Root Cause")[-1]
+    exits = [e for e in events(tmp_path / "runs") if e["event"] == "worker_exit"]
+    assert len(exits) == 3
+    assert all(any(f["rank"] == 1 and f["exitcode"] == 3 for f in e["failures"]) for e in exits)
+
+
+def test_two_nodes_restart_across_hosts(tmp_path: Path) -> None:
+    """Two supervisors (two "hosts") with c10d: a crash on node B restarts both nodes."""
+    port = free_port()
+    common = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+              "--max-restarts", "3", "--monitor-interval", "0.2",
+              str(SCRIPTS / "crash_ddp.py"), "1", "2"]
+    nodes = [start([*GEMINI, *common], env=env_with(tmp_path, GEMINI_HOST_ID=f"host{i}"))
+             for i in range(2)]
+    outputs = []
+    for proc in nodes:
+        out, _ = proc.communicate(timeout=240)
+        outputs.append(out)
+        assert proc.returncode == 0, out[-3000:]
+    joined = "\n".join(outputs)
+    assert "ok rank=0" in joined and "ok rank=1" in joined
+    assert "connectFullMesh" not in joined
