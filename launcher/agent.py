@@ -29,6 +29,7 @@ from launcher.errors import Interrupted, StoreError, UsageError, WorkerFailedErr
 from launcher.events import EventLog, run_directory
 
 if TYPE_CHECKING:
+    from torch.distributed import Store
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -51,14 +52,19 @@ class Command:
 class SupervisorService(Protocol):
     """A per-host service run by the supervisor around each round of workers.
 
-    Calls happen on the agent's thread, in this order per round: ``before_start`` (the
-    ranks are known, the workers not yet started), ``after_stop`` (the workers have
-    exited or been stopped); ``close`` once when the supervisor ends.
+    Calls happen on the agent's thread: ``before_start`` once a round's ranks are known
+    and before its workers start (``store`` is a key-value store shared by every host's
+    supervisor and private to this round), ``after_stop`` when the round's workers have
+    exited or been stopped, ``check`` on every monitor tick (raise a ``GeminiError`` to
+    end the job), ``close`` once when the supervisor ends. Services may set ``GEMINI_*``
+    variables in ``os.environ`` in ``before_start``: the workers inherit them.
     """
 
-    def before_start(self, group: WorkerGroup) -> None: ...
+    def before_start(self, group: WorkerGroup, store: Store) -> None: ...
 
     def after_stop(self, group: WorkerGroup) -> None: ...
+
+    def check(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -86,7 +92,7 @@ def _agent_class() -> type:
 
 
 def _define_agent(base: type) -> type:
-    from torch.distributed import TCPStore
+    from torch.distributed import PrefixStore, TCPStore
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     class GeminiAgent(base):  # type: ignore[valid-type,misc]
@@ -99,12 +105,19 @@ def _define_agent(base: type) -> type:
             self._services = list(services)
             self._round = 0
             self._worker_store: TCPStore | None = None
+            self._round_store: Store | None = None
             self._reported_failure = False
 
         # -- rendezvous: a fresh store for the workers of every round ------------------
         def _rendezvous(self, worker_group: WorkerGroup) -> None:
             super()._rendezvous(worker_group)
             self._round += 1
+            # Dynamic backends hand out a store scoped to the round; the static backend's
+            # store lives for the whole run, where only restarts start a new round.
+            scope = "gemini/"
+            if worker_group.spec.rdzv_handler.get_backend() == "static":
+                scope += f"{self._restart_count(worker_group)}/"
+            self._round_store = PrefixStore(scope, worker_group.store)
             if worker_group.spec.rdzv_handler.use_agent_store:
                 self._publish_worker_store(worker_group)
             self._events.write(
@@ -121,13 +134,7 @@ def _define_agent(base: type) -> type:
         def _publish_worker_store(self, worker_group: WorkerGroup) -> None:
             """Group rank 0 hosts a new TCPStore for this round's workers; all agents point
             MASTER_ADDR/MASTER_PORT at it. Keys of earlier rounds cannot leak into it."""
-            store = worker_group.store
-            # Dynamic backends hand out a store scoped to the round; the static backend's
-            # store lives for the whole run, where only restarts start a new round.
-            static = worker_group.spec.rdzv_handler.get_backend() == "static"
-            key = "gemini/worker_store" + (
-                f"/{self._restart_count(worker_group)}" if static else ""
-            )
+            store = self._round_store
             self._worker_store = None  # the previous round's server shuts down
             if worker_group.group_rank == 0:
                 self._worker_store = TCPStore(
@@ -135,9 +142,9 @@ def _define_agent(base: type) -> type:
                     wait_for_workers=False,
                 )
                 address = [worker_group.master_addr, self._worker_store.port]
-                store.set(key, json.dumps(address))
+                store.set("worker_store", json.dumps(address))
             else:
-                address = json.loads(store.get(key))
+                address = json.loads(store.get("worker_store"))
             worker_group.master_addr, worker_group.master_port = address[0], int(address[1])
 
         def _restart_count(self, worker_group: WorkerGroup) -> int:
@@ -146,7 +153,7 @@ def _define_agent(base: type) -> type:
         # -- workers -------------------------------------------------------------------
         def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
             for service in self._services:
-                service.before_start(worker_group)
+                service.before_start(worker_group, self._round_store)
             self._reported_failure = False
             pids = super()._start_workers(worker_group)
             self._events.write(
@@ -168,6 +175,8 @@ def _define_agent(base: type) -> type:
                 service.after_stop(worker_group)
 
         def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            for service in self._services:
+                service.check()
             result = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and (
                 not self._reported_failure
@@ -241,7 +250,7 @@ def check_command(config: RunConfig, command: Command) -> None:
 
 
 def launch(config: RunConfig, command: Command, *,
-           services: Sequence[SupervisorService] = ()) -> None:
+           extra_services: Sequence[SupervisorService] = ()) -> None:
     """Run the job on this host until it succeeds, fails or is stopped by a signal.
 
     Raises :class:`WorkerFailedError` with torchrun's failure summary when the worker
@@ -249,6 +258,8 @@ def launch(config: RunConfig, command: Command, *,
     """
     check_command(config, command)
     import torch.distributed.run as torchrun
+
+    from launcher.slots import MemoryService
     from torch.distributed.elastic import events as torch_events
     from torch.distributed.elastic.multiprocessing.errors import (
         ChildFailedError,
@@ -301,25 +312,29 @@ def launch(config: RunConfig, command: Command, *,
         duplicate_stderr_filters=launch_config.duplicate_stderr_filters,
         virtual_local_rank=launch_config.virtual_local_rank,
     )
-    agent = make_agent(
-        spec=spec,
-        logs_specs=launch_config.logs_specs,
-        start_method=launch_config.start_method,
-        log_line_prefix_template=launch_config.log_line_prefix_template,
-        shutdown_timeout=launch_config.shutdown_timeout,
-        events=events,
-        services=services,
-    )
-    events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,
-                 nproc_per_node=launch_config.nproc_per_node,
-                 rdzv_backend=launch_config.rdzv_backend,
-                 max_restarts=launch_config.max_restarts,
-                 entrypoint=_get_entrypoint_name(entrypoint, list(entry_args)))
+    services: list[SupervisorService] = list(extra_services)
     error_handler = get_error_handler()
     error_handler.initialize()
     shutdown_rdzv = True
     outcome = "failed"
     try:
+        services.insert(0, MemoryService(run_id=launch_config.run_id, host_id=host_id,
+                                         local_world_size=launch_config.nproc_per_node,
+                                         events=events))
+        agent = make_agent(
+            spec=spec,
+            logs_specs=launch_config.logs_specs,
+            start_method=launch_config.start_method,
+            log_line_prefix_template=launch_config.log_line_prefix_template,
+            shutdown_timeout=launch_config.shutdown_timeout,
+            events=events,
+            services=services,
+        )
+        events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,
+                     nproc_per_node=launch_config.nproc_per_node,
+                     rdzv_backend=launch_config.rdzv_backend,
+                     max_restarts=launch_config.max_restarts,
+                     entrypoint=_get_entrypoint_name(entrypoint, list(entry_args)))
         result = agent.run()
         torch_events.record(agent.get_event_succeeded(), launch_config.event_log_handler)
         if result is not None and result.is_failed():

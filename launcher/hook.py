@@ -1,0 +1,446 @@
+"""The worker-side checkpoint hook: ``from launcher import Checkpointer``.
+
+    ckpt = Checkpointer(model=model, optimizer=optimizer, extra={"scheduler": sched})
+    start = ckpt.restore()          # 0 on a fresh start, else the step to resume at
+    for step in range(start, total):
+        ...train one step...
+        ckpt.save(step)             # returns at once; the copy finishes in the background
+
+``save`` captures references to the state (model and optimizer tensors are copied later,
+in a background thread, into a shared-memory slot that the supervisor owns); the
+optimizer's pre-step hook waits for an unfinished copy before parameters change, so a
+snapshot never mixes two steps. Small state that other code may mutate at any time
+(model buffers, ``extra`` values, RNG states) is copied synchronously.
+
+``extra`` maps names to objects with ``state_dict``/``load_state_dict`` (LR schedulers,
+samplers, ...), which are restored in place, or to plain values (ints, floats, strings,
+lists, dicts, tensors), which ``restore`` writes back into the same ``extra`` dict.
+
+This module imports only the standard library, torch, xxhash and ``launcher.memory``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import json
+import logging
+import os
+import random
+import socket
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from launcher import memory
+from launcher.errors import CheckpointError, StorageError
+
+logger = logging.getLogger(__name__)
+
+# Set by the supervisor (launcher.slots); repeated here to keep this module's imports small.
+ENV_SOCKET = "GEMINI_SLOT_SOCKET"
+ENV_PREFIX = "GEMINI_SLOT_PREFIX"
+ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
+
+_warned_inactive = False
+
+
+@dataclass(frozen=True)
+class _Entry:
+    path: str
+    tensor: torch.Tensor
+    offset: int
+    nbytes: int
+
+
+# -- state tree <-> JSON skeleton + tensors ---------------------------------------------
+
+def _flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
+    """JSON-able skeleton of ``obj``; tensors are replaced by their index in ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append((path, obj))
+        return {"__tensor__": len(tensors) - 1}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (tuple, list)):
+        items = [_flatten(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+            return {k: _flatten(v, f"{path}/{k}", tensors) for k, v in obj.items()}
+        return {"__items__": [[_flatten(k, f"{path}/<key>", tensors),
+                               _flatten(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, bytes):
+        return {"__bytes__": base64.b64encode(obj).decode()}
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    raise CheckpointError(f"cannot checkpoint {path or 'value'}: unsupported type "
+                          f"{type(obj).__name__} (use tensors, numbers, strings, lists, dicts)")
+
+
+def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(node, list):
+        return [_unflatten(v, tensors) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if "__tensor__" in node:
+        return tensors[node["__tensor__"]]
+    if "__tuple__" in node:
+        return tuple(_unflatten(v, tensors) for v in node["__tuple__"])
+    if "__items__" in node:
+        return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in node["__items__"]}
+    if "__bytes__" in node:
+        return base64.b64decode(node["__bytes__"])
+    if "__dtype__" in node:
+        return getattr(torch, node["__dtype__"])
+    return {k: _unflatten(v, tensors) for k, v in node.items()}
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        kind, keys, pos, has_gauss, gauss = numpy.random.get_state()
+        state["numpy"] = [kind, torch.from_numpy(keys.copy()), pos, has_gauss, gauss]
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    numpy = sys.modules.get("numpy")
+    if "numpy" in state and numpy is not None:
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        numpy.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None))
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Checkpointer:
+    """Saves and restores a worker's training state through gemini's in-memory tier."""
+
+    def __init__(self, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.extra: dict[str, Any] = extra if extra is not None else {}
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        self._address = os.environ.get(ENV_SOCKET, "")
+        self._prefix = os.environ.get(ENV_PREFIX, "")
+        self.active = bool(self._address and self._prefix)
+        self._segments: list[memory.Segment | None] = [None, None]
+        self._newest: int | None = None  # slot index holding the newest committed step
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._conn: socket.socket | None = None
+        self._stream: Any = None
+        self._layout: tuple[tuple[tuple[str, str, tuple[int, ...]], ...], int] | None = None
+        self._closed = False
+        if not self.active:
+            _warn_inactive()
+            return
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(self._before_optimizer_step)
+        atexit.register(self.close)
+
+    # -- public API -----------------------------------------------------------------------
+    def restore(self) -> int:
+        """Load the step the supervisor chose; return the first step to run (0 if none)."""
+        if not self.active:
+            return 0
+        self.wait()
+        step = int(os.environ.get(ENV_RESTORE_STEP, "-1"))
+        self._attach_existing()
+        if step < 0:
+            self._discard_newer_than(-1)
+            return 0
+        index = self._find(step)
+        if index is None:
+            raise CheckpointError(f"rank {self.rank}: step {step} is not in local memory")
+        segment = self._segments[index]
+        assert segment is not None
+        header = memory.read_header(segment.view)
+        assert header is not None
+        meta = memory.read_meta(segment.view, header)
+        memory.verify(segment.view, header, meta)
+        self._load(segment, meta, step)
+        self._discard_newer_than(step)
+        self._newest = index
+        return step + 1
+
+    def save(self, step: int) -> None:
+        """Snapshot the state as of the end of ``step``; returns before the copy is done."""
+        self.wait()
+        if not self.active or self._closed:
+            return
+        tensors: list[tuple[str, torch.Tensor]] = []
+        skeleton = _flatten(self._capture(), "", tensors)
+        cuda = [t for _, t in tensors if t.is_cuda]
+        event = None
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self._thread = threading.Thread(target=self._copy_in_background, name="gemini-save",
+                                        args=(step, skeleton, tensors, event), daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the last ``save`` is committed; re-raise its error, if any."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        """Finish the pending copy and release the slots (the supervisor keeps them)."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            for segment in self._segments:
+                if segment is not None:
+                    segment.close()
+            if self._conn is not None:
+                self._conn.close()
+
+    # -- capture and load -----------------------------------------------------------------
+    def _capture(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"rng": _rng_state()}
+        if self.model is not None:
+            params = {p.data_ptr() for p in self.model.parameters()}
+            model_state = self.model.state_dict()
+            state["model"] = {k: v if not isinstance(v, torch.Tensor) or v.data_ptr() in params
+                              else v.detach().clone() for k, v in model_state.items()}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        extra: dict[str, Any] = {}
+        for key, value in self.extra.items():
+            if _stateful(value):
+                extra[key] = _clone_tensors(value.state_dict())
+            else:
+                extra[key] = _clone_tensors(value)
+        state["extra"] = extra
+        return state
+
+    def _load(self, segment: memory.Segment, meta: dict[str, Any], step: int) -> None:
+        tensors = [_slot_tensor(segment.view, entry) for entry in meta["tensors"]]
+        state = _unflatten(meta["tree"], tensors)
+        try:
+            if self.model is not None:
+                if "model" not in state:
+                    raise CheckpointError("it holds no model state")
+                self.model.load_state_dict(state["model"])
+            if self.optimizer is not None:
+                if "optimizer" not in state:
+                    raise CheckpointError("it holds no optimizer state")
+                self.optimizer.load_state_dict(_clone_tensors(state["optimizer"]))
+            for key, value in self.extra.items():
+                if key not in state["extra"]:
+                    raise CheckpointError(f"it holds no extra value {key!r}")
+                saved = _clone_tensors(state["extra"][key])
+                if _stateful(value):
+                    value.load_state_dict(saved)
+                else:
+                    self.extra[key] = saved
+        except (RuntimeError, ValueError, KeyError) as exc:
+            reason = " ".join(str(exc).split())
+            raise CheckpointError(f"rank {self.rank}: checkpoint of step {step} does not "
+                                  f"match the model/optimizer: {reason}") from None
+        except CheckpointError as exc:
+            raise CheckpointError(f"rank {self.rank}: checkpoint of step {step}: {exc}") from None
+        _set_rng_state(_clone_tensors(state["rng"]))
+
+    # -- slots ----------------------------------------------------------------------------
+    def _attach_existing(self) -> None:
+        for index in range(2):
+            name = memory.slot_name(self._prefix, self.rank, index)
+            if self._segments[index] is None and (memory.SHM_DIR / name).exists():
+                self._segments[index] = memory.attach_segment(name)
+        for segment in self._segments:
+            header = memory.read_header(segment.view) if segment is not None else None
+            if header is not None:
+                self._seq = max(self._seq, header.seq)
+
+    def _find(self, step: int) -> int | None:
+        best: tuple[int, int] | None = None
+        for index, segment in enumerate(self._segments):
+            header = memory.read_header(segment.view) if segment is not None else None
+            if header is not None and header.state is memory.SlotState.COMMITTED and (
+                header.step == step and (best is None or header.seq > best[1])
+            ):
+                best = (index, header.seq)
+        return best[0] if best else None
+
+    def _discard_newer_than(self, step: int) -> None:
+        """Forget steps after the restored one: they belong to an abandoned attempt."""
+        for segment in self._segments:
+            header = memory.read_header(segment.view) if segment is not None else None
+            if segment is not None and header is not None and header.step > step:
+                memory.set_state(segment.view, memory.SlotState.EMPTY)
+
+    def _request(self, message: dict[str, Any]) -> dict[str, Any]:
+        if self._conn is None:
+            self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._conn.connect("\0" + self._address[1:])
+            self._stream = self._conn.makefile("rwb")
+        self._stream.write((json.dumps(message) + "\n").encode())
+        self._stream.flush()
+        line = self._stream.readline()
+        if not line:
+            raise StorageError("the gemini supervisor closed the slot connection")
+        reply: dict[str, Any] = json.loads(line)
+        if not reply.get("ok"):
+            raise StorageError(reply.get("error", "slot request failed"))
+        return reply
+
+    def _slot_for(self, index: int, nbytes: int) -> memory.Segment:
+        segment = self._segments[index]
+        if segment is None or segment.size < nbytes:
+            reply = self._request({"op": "alloc", "rank": self.rank, "nbytes": nbytes})
+            for i, name in enumerate(reply["slots"]):
+                old = self._segments[i]
+                if old is None or old.size < nbytes or not old.path.exists() or (
+                    os.stat(old.path).st_size != old.size
+                ):
+                    if old is not None:
+                        old.close()
+                    self._segments[i] = memory.attach_segment(name)
+            segment = self._segments[index]
+            assert segment is not None
+            if segment.size < nbytes:
+                raise StorageError(f"slot {segment.name} has {segment.size} bytes, "
+                                   f"need {nbytes}")
+        return segment
+
+    # -- the background copy ----------------------------------------------------------------
+    def _before_optimizer_step(self, *_: Any) -> None:
+        self.wait()
+
+    def _copy_in_background(self, step: int, skeleton: Any,
+                            tensors: list[tuple[str, torch.Tensor]],
+                            event: Any) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+            self._write(step, skeleton, tensors)
+        except BaseException as exc:  # surfaced by the next wait()
+            self._error = exc
+
+    def _write(self, step: int, skeleton: Any, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        entries, data_len = self._plan(tensors)
+        meta_estimate = len(json.dumps(skeleton)) + sum(len(e.path) + 200 for e in entries)
+        index = 0 if self._newest is None else 1 - self._newest
+        segment = self._slot_for(index, memory.slot_size(data_len, meta_estimate))
+        buf = segment.view
+        memory.set_state(buf, memory.SlotState.WRITING)
+        records = []
+        for entry in entries:
+            digest = _copy_and_hash(buf, entry)
+            records.append({"path": entry.path, "dtype": str(entry.tensor.dtype).split(".")[-1],
+                            "shape": list(entry.tensor.shape), "offset": entry.offset,
+                            "nbytes": entry.nbytes, "xxh3": f"{digest:016x}",
+                            "device": str(entry.tensor.device)})
+        meta = json.dumps({"tree": skeleton, "tensors": records, "step": step},
+                          separators=(",", ":")).encode()
+        self._seq += 1
+        memory.write_commit(buf, step=step, seq=self._seq, rank=self.rank,
+                            world_size=self.world_size, run_id=self.run_id,
+                            data_len=data_len, meta=meta)
+        self._newest = index
+        try:
+            self._request({"op": "committed", "rank": self.rank, "step": step})
+        except (OSError, StorageError) as exc:
+            logger.debug("could not notify the supervisor: %s", exc)
+
+    def _plan(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[_Entry], int]:
+        entries = []
+        offset = 0
+        for path, tensor in tensors:
+            nbytes = _tensor_bytes(tensor)
+            entries.append(_Entry(path, tensor, offset, nbytes))
+            offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
+        return entries, offset
+
+
+def _copy_and_hash(buf: Any, entry: _Entry) -> int:
+    """Copy one tensor into the slot and hash the copy, chunk by chunk while it is cached."""
+    if entry.nbytes == 0:
+        return xxhash.xxh3_64_intdigest(b"")
+    start = memory.HEADER_SIZE + entry.offset
+    dst = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=start)
+    src = entry.tensor.detach()
+    view = memoryview(buf)
+    try:
+        if not src.is_contiguous() or src.is_cuda:
+            dst.view(src.dtype).view(src.shape).copy_(src)
+            return memory.checksum(view[start:start + entry.nbytes])
+        flat = src.reshape(-1).view(torch.uint8)
+        hasher = xxhash.xxh3_64()
+        for lo in range(0, entry.nbytes, memory.HASH_CHUNK):
+            hi = min(lo + memory.HASH_CHUNK, entry.nbytes)
+            dst[lo:hi].copy_(flat[lo:hi])
+            hasher.update(view[start + lo:start + hi])
+        return hasher.intdigest()
+    finally:
+        view.release()
+
+
+def _slot_tensor(buf: Any, entry: dict[str, Any]) -> torch.Tensor:
+    dtype = getattr(torch, entry["dtype"])
+    shape = tuple(entry["shape"])
+    nbytes = int(entry["nbytes"])
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes,
+                            offset=memory.HEADER_SIZE + int(entry["offset"]))
+    tensor = flat.view(dtype).view(shape)
+    device = entry.get("device", "cpu")
+    return tensor.to(device) if device != "cpu" else tensor
+
+
+def _clone_tensors(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors own their memory (never alias a slot)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_tensors(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_clone_tensors(v) for v in obj)
+    return obj
+
+
+def _warn_inactive() -> None:
+    global _warned_inactive
+    if not _warned_inactive:
+        _warned_inactive = True
+        warnings.warn("gemini Checkpointer: not running under `gemini run`; "
+                      "save() and restore() keep nothing", RuntimeWarning, stacklevel=3)
+

@@ -1,0 +1,325 @@
+"""Shared-memory checkpoint slots: naming, layout, double buffering and checksums.
+
+A *segment* is a file in ``/dev/shm`` (POSIX shared memory) created by the supervisor,
+which owns it, so it outlives any worker. Workers only attach to it with ``os.open`` and
+``mmap`` — never with ``multiprocessing.shared_memory``, whose resource tracker unlinks a
+segment when an attaching process dies (before Python 3.13).
+
+Each rank has two segments (slots 0 and 1), a double buffer: a save writes the slot that
+does not hold the newest committed step. A slot's layout::
+
+    [0, 4096)                      header (fixed binary layout, see ``_HEADER``)
+    [4096, 4096 + data_len)        tensor bytes, each tensor aligned to 64 bytes
+    [meta_offset, + meta_len)      metadata: UTF-8 JSON (tree, per-tensor offset, size, xxh3)
+
+The header's ``state`` field is the commit point: it is set to WRITING before any byte of
+a new step is written and to COMMITTED only after every byte, checksum and the metadata
+are in place, so a crash at any moment leaves either a committed step or a slot that
+readers ignore. No pickle: a slot is read with ``json`` and ``torch.frombuffer``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from launcher.errors import CheckpointError, StorageError
+
+SHM_DIR = Path(os.environ.get("GEMINI_SHM_DIR", "/dev/shm"))
+PREFIX = "gemini-"
+MAGIC = b"GEMINIck"
+FORMAT_VERSION = 1
+HEADER_SIZE = 4096
+ALIGN = 64
+HASH_CHUNK = 1 << 20  # bytes hashed right after they are copied, while still in cache
+
+# magic, version, state, step, seq, rank, world_size, data_len, meta_offset, meta_len,
+# meta_hash, capacity, run_id (64 bytes, NUL padded)
+_HEADER = struct.Struct("<8sIIqQIIQQQQQ64s")
+_STATE_OFFSET = 12  # byte offset of ``state`` inside the header
+
+
+class SlotState(enum.IntEnum):
+    """Lifecycle of a slot: EMPTY -> WRITING -> COMMITTED -> WRITING -> COMMITTED ...
+
+    EMPTY: created, never written. WRITING: a save is (or was, if its writer died) in
+    progress; the content is garbage. COMMITTED: a complete, checksummed step.
+    """
+
+    EMPTY = 0
+    WRITING = 1
+    COMMITTED = 2
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    """The decoded header of a slot."""
+
+    state: SlotState
+    step: int
+    seq: int
+    rank: int
+    world_size: int
+    data_len: int
+    meta_offset: int
+    meta_len: int
+    meta_hash: int
+    capacity: int
+    run_id: str
+
+
+def run_key(run_id: str) -> str:
+    """A short, file-name-safe key for a run id."""
+    return hashlib.sha1(run_id.encode()).hexdigest()[:12]
+
+
+def host_key(host_id: str) -> str:
+    """A file-name-safe form of a host id."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", host_id)[:48] or "host"
+
+
+def segment_prefix(run_id: str, host_id: str) -> str:
+    """Prefix of every segment of ``run_id`` on ``host_id``."""
+    return f"{PREFIX}{run_key(run_id)}-{host_key(host_id)}-"
+
+
+def slot_name(prefix: str, rank: int, index: int) -> str:
+    """Name of slot ``index`` (0 or 1) of global ``rank``."""
+    return f"{prefix}r{rank}-s{index}"
+
+
+_SLOT_NAME = re.compile(r"^(?P<prefix>gemini-[0-9a-f]{12}-[A-Za-z0-9_.]+-)r(?P<rank>\d+)-s(?P<index>[01])$")
+
+
+def parse_slot_name(name: str) -> tuple[str, int, int] | None:
+    """``(prefix, rank, index)`` of a slot segment name, or None for other files."""
+    match = _SLOT_NAME.match(name)
+    if not match:
+        return None
+    return match.group("prefix"), int(match.group("rank")), int(match.group("index"))
+
+
+def list_segments(prefix: str = PREFIX) -> list[str]:
+    """Names of the segments in the shared-memory directory that start with ``prefix``."""
+    try:
+        return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+def shm_free_bytes() -> int:
+    """Bytes still available in the shared-memory file system."""
+    stats = os.statvfs(SHM_DIR)
+    return stats.f_bavail * stats.f_frsize
+
+
+class Segment:
+    """A mapped shared-memory segment. ``close`` unmaps; only its owner unlinks it."""
+
+    def __init__(self, name: str, fd: int, size: int) -> None:
+        self.name = name
+        self.size = size
+        try:
+            self.buf: mmap.mmap | None = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+
+    @property
+    def path(self) -> Path:
+        return SHM_DIR / self.name
+
+    @property
+    def view(self) -> mmap.mmap:
+        if self.buf is None:
+            raise StorageError(f"segment {self.name} is closed")
+        return self.buf
+
+    def close(self) -> None:
+        if self.buf is not None:
+            try:
+                self.buf.close()
+            except BufferError:  # a tensor still views it; the mapping dies with the process
+                pass
+            self.buf = None
+
+
+def create_segment(name: str, size: int) -> Segment:
+    """Create (replacing any old file of that name) and pre-fault a segment of ``size``."""
+    path = SHM_DIR / name
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # pre-fault: first-touch pages cost ~7x a warm copy
+    except OSError as exc:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise StorageError(f"cannot allocate {size} bytes in {SHM_DIR} for {name}: "
+                           f"{exc.strerror}") from None
+    return Segment(name, fd, size)
+
+
+def attach_segment(name: str) -> Segment:
+    """Map an existing segment read-write (no resource tracker involved)."""
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise StorageError(f"shared-memory segment {name} does not exist") from None
+    return Segment(name, fd, os.fstat(fd).st_size)
+
+
+def unlink_segment(name: str) -> None:
+    """Remove a segment (idempotent); mappings stay valid until unmapped."""
+    (SHM_DIR / name).unlink(missing_ok=True)
+
+
+# -- header --------------------------------------------------------------------------
+
+def read_header(buf: mmap.mmap) -> SlotHeader | None:
+    """The slot's header, or None when the segment is too small or not a gemini slot."""
+    if len(buf) < HEADER_SIZE:
+        return None
+    (magic, version, state, step, seq, rank, world_size, data_len, meta_offset, meta_len,
+     meta_hash, capacity, run_id) = _HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or version != FORMAT_VERSION or state not in SlotState._value2member_map_:
+        return None
+    return SlotHeader(SlotState(state), step, seq, rank, world_size, data_len, meta_offset,
+                      meta_len, meta_hash, capacity, run_id.rstrip(b"\0").decode(errors="replace"))
+
+
+def init_header(buf: mmap.mmap, *, rank: int, run_id: str) -> None:
+    """Write an EMPTY header into a fresh slot."""
+    _HEADER.pack_into(buf, 0, MAGIC, FORMAT_VERSION, SlotState.EMPTY, -1, 0, rank, 0, 0, 0,
+                      0, 0, len(buf), run_id.encode()[:64])
+
+
+def set_state(buf: mmap.mmap, state: SlotState) -> None:
+    struct.pack_into("<I", buf, _STATE_OFFSET, state)
+
+
+def write_commit(buf: mmap.mmap, *, step: int, seq: int, rank: int, world_size: int,
+                 run_id: str, data_len: int, meta: bytes) -> None:
+    """Write the metadata, then the header, then flip the state to COMMITTED (last)."""
+    meta_offset = HEADER_SIZE + _aligned(data_len)
+    if meta_offset + len(meta) > len(buf):
+        raise StorageError(f"slot too small: need {meta_offset + len(meta)} bytes, "
+                           f"have {len(buf)}")
+    buf[meta_offset:meta_offset + len(meta)] = meta
+    _HEADER.pack_into(buf, 0, MAGIC, FORMAT_VERSION, SlotState.WRITING, step, seq, rank,
+                      world_size, data_len, meta_offset, len(meta),
+                      xxhash.xxh3_64_intdigest(meta), len(buf), run_id.encode()[:64])
+    set_state(buf, SlotState.COMMITTED)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def slot_size(data_len: int, meta_len: int) -> int:
+    """Bytes a slot needs for ``data_len`` tensor bytes and ``meta_len`` metadata bytes,
+    rounded up to whole pages with headroom for metadata growth."""
+    need = HEADER_SIZE + _aligned(data_len) + meta_len * 2 + (64 << 10)
+    page = mmap.PAGESIZE
+    return (need + page - 1) // page * page
+
+
+# -- checksums ------------------------------------------------------------------------
+
+def checksum(view: memoryview) -> int:
+    """xxh3-64 of ``view`` (releases nothing; ~30 GB/s on one core)."""
+    return xxhash.xxh3_64_intdigest(view)
+
+
+def read_meta(buf: mmap.mmap, header: SlotHeader) -> dict[str, Any]:
+    """The slot's metadata, checked against the header's hash."""
+    end = header.meta_offset + header.meta_len
+    if header.meta_offset < HEADER_SIZE or end > len(buf):
+        raise CheckpointError("metadata out of bounds")
+    raw = bytes(buf[header.meta_offset:end])
+    if xxhash.xxh3_64_intdigest(raw) != header.meta_hash:
+        raise CheckpointError("metadata checksum mismatch")
+    meta: dict[str, Any] = json.loads(raw)
+    return meta
+
+
+def verify(buf: mmap.mmap, header: SlotHeader, meta: dict[str, Any]) -> None:
+    """Recompute every tensor's checksum; raise CheckpointError on the first mismatch."""
+    limit = HEADER_SIZE + header.data_len
+    view = memoryview(buf)
+    try:
+        for entry in meta["tensors"]:
+            start = HEADER_SIZE + int(entry["offset"])
+            end = start + int(entry["nbytes"])
+            if end > limit:
+                raise CheckpointError(f"tensor {entry['path']} out of bounds")
+            if checksum(view[start:end]) != int(entry["xxh3"], 16):
+                raise CheckpointError(f"checksum mismatch in tensor {entry['path']}")
+    finally:
+        view.release()
+
+
+@dataclass(frozen=True)
+class SlotInfo:
+    """What ``scan`` found in one slot segment."""
+
+    name: str
+    rank: int
+    index: int
+    size: int
+    header: SlotHeader | None
+    meta: dict[str, Any] | None
+    error: str | None
+
+    @property
+    def valid_step(self) -> int | None:
+        """The committed step this slot can restore, or None."""
+        if self.error is None and self.header is not None and (
+            self.header.state is SlotState.COMMITTED
+        ):
+            return self.header.step
+        return None
+
+
+def inspect_slot(name: str, *, check: bool = True) -> SlotInfo:
+    """Read (and with ``check`` verify) one slot without modifying it."""
+    parsed = parse_slot_name(name)
+    rank, index = (parsed[1], parsed[2]) if parsed else (-1, -1)
+    try:
+        segment = attach_segment(name)
+    except StorageError as exc:
+        return SlotInfo(name, rank, index, 0, None, None, str(exc))
+    try:
+        header = read_header(segment.view)
+        meta: dict[str, Any] | None = None
+        error: str | None = None
+        if header is None:
+            error = "not a gemini slot"
+        elif header.state is SlotState.COMMITTED:
+            try:
+                meta = read_meta(segment.view, header)
+                if check:
+                    verify(segment.view, header, meta)
+            except (CheckpointError, ValueError, KeyError) as exc:
+                error = str(exc)
+        return SlotInfo(name, rank, index, segment.size, header, meta, error)
+    finally:
+        segment.close()
+
+
+def iter_slots(prefix: str = PREFIX, *, check: bool = True) -> Iterator[SlotInfo]:
+    """Inspect every slot segment whose name starts with ``prefix``."""
+    for name in list_segments(prefix):
+        if parse_slot_name(name):
+            yield inspect_slot(name, check=check)

@@ -1,0 +1,297 @@
+"""The supervisor's side of the memory tier: it owns every slot segment of its workers.
+
+:class:`SlotOwner` creates slots when a worker asks (over a Unix socket), grows them when
+the state grows, adopts the segments a previous supervisor of the same run left on this
+host, scans them for recovery, and unlinks them all when the run ends. An owner file
+(``gemini-<run>-<host>-owner``, JSON with the supervisor's pid and start time) tells
+``gemini clean`` whether the segments of a run still have a live owner.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from launcher import memory
+from launcher.errors import StorageError
+from launcher.events import EventLog
+from launcher.recovery import choose_step
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+    from torch.distributed.elastic.agent.server.api import WorkerGroup
+
+logger = logging.getLogger(__name__)
+
+OWNER_SUFFIX = "owner"
+
+
+def owner_name(prefix: str) -> str:
+    return prefix + OWNER_SUFFIX
+
+
+def owner_alive(record: dict[str, Any]) -> bool:
+    """Whether the supervisor an owner file names is still running."""
+    try:
+        proc = psutil.Process(int(record["pid"]))
+        return abs(proc.create_time() - float(record["started"])) < 1.0
+    except (psutil.Error, KeyError, ValueError, TypeError):
+        return False
+
+
+def read_owner(prefix: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads((memory.SHM_DIR / owner_name(prefix)).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class SlotOwner:
+    """Owns the slot segments of one run on one host (thread-safe)."""
+
+    def __init__(self, *, run_id: str, host_id: str, local_world_size: int) -> None:
+        self.run_id = run_id
+        self.prefix = memory.segment_prefix(run_id, host_id)
+        self.local_world_size = local_world_size
+        self._lock = threading.Lock()
+        self._slots: dict[int, list[memory.Segment | None]] = {}
+        self._claim()
+
+    # -- ownership ------------------------------------------------------------------------
+    def _claim(self) -> None:
+        """Write the owner file; adopt segments of a dead previous owner of this run."""
+        previous = read_owner(self.prefix)
+        if previous is not None and previous.get("pid") != os.getpid() and owner_alive(previous):
+            raise StorageError(
+                f"run {self.run_id} already has a live supervisor on this host "
+                f"(pid {previous['pid']}); stop it or use another --rdzv-id")
+        me = psutil.Process()
+        record = {"pid": me.pid, "started": me.create_time(), "run_id": self.run_id,
+                  "host": self.prefix}
+        path = memory.SHM_DIR / owner_name(self.prefix)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.chmod(0o600)
+        os.replace(tmp, path)
+        adopted = 0
+        for name in memory.list_segments(self.prefix):
+            parsed = memory.parse_slot_name(name)
+            if parsed is None:
+                continue
+            _, rank, index = parsed
+            try:
+                self._slots.setdefault(rank, [None, None])[index] = memory.attach_segment(name)
+                adopted += 1
+            except StorageError:
+                continue
+        if adopted:
+            logger.info("adopted %d shared-memory slots of run %s", adopted, self.run_id)
+
+    def close(self) -> None:
+        """Unmap and unlink every slot and the owner file (idempotent)."""
+        with self._lock:
+            for pair in self._slots.values():
+                for segment in pair:
+                    if segment is not None:
+                        segment.close()
+                        memory.unlink_segment(segment.name)
+            self._slots.clear()
+            for name in memory.list_segments(self.prefix):
+                memory.unlink_segment(name)
+
+    # -- allocation -----------------------------------------------------------------------
+    def allocate(self, rank: int, nbytes: int) -> list[str]:
+        """Make both slots of ``rank`` hold at least ``nbytes``; return their names.
+
+        A slot that is too small is recreated, unless it holds the rank's newest committed
+        step: that one is grown on the next request, once the other slot has taken over.
+        """
+        with self._lock:
+            pair = self._slots.setdefault(rank, [None, None])
+            newest = self._newest_index(pair)
+            grow = [i for i, seg in enumerate(pair)
+                    if (seg is None or seg.size < nbytes) and i != newest]
+            self._check_capacity(pair, grow, nbytes)
+            for i in grow:
+                old = pair[i]
+                if old is not None:
+                    old.close()
+                    pair[i] = None
+                segment = memory.create_segment(memory.slot_name(self.prefix, rank, i), nbytes)
+                memory.init_header(segment.view, rank=rank, run_id=self.run_id)
+                pair[i] = segment
+            return [memory.slot_name(self.prefix, rank, i) for i in range(2)]
+
+    def _check_capacity(self, pair: list[memory.Segment | None], grow: list[int],
+                        nbytes: int) -> None:
+        released = sum(pair[i].size for i in grow if pair[i] is not None)  # type: ignore[union-attr]
+        need_now = len(grow) * nbytes - released
+        free = memory.shm_free_bytes()
+        if need_now > free:
+            total = 2 * nbytes * self.local_world_size
+            raise StorageError(
+                f"{memory.SHM_DIR} is too small for in-memory checkpoints: need {total} bytes "
+                f"(2 slots x {nbytes} bytes x {self.local_world_size} local ranks), "
+                f"{free} bytes available; enlarge it (e.g. docker run --shm-size) "
+                f"or use fewer workers per host")
+
+    @staticmethod
+    def _newest_index(pair: list[memory.Segment | None]) -> int | None:
+        best: tuple[int, int] | None = None
+        index: int | None = None
+        for i, seg in enumerate(pair):
+            header = memory.read_header(seg.view) if seg is not None else None
+            if header is not None and header.state is memory.SlotState.COMMITTED:
+                key = (header.step, header.seq)
+                if best is None or key > best:
+                    best, index = key, i
+        return index
+
+    # -- recovery -------------------------------------------------------------------------
+    def holdings(self, ranks: Iterable[int], world_size: int) -> dict[int, list[int]]:
+        """Verified committed steps per rank, for the given ranks of this run."""
+        with self._lock:
+            found: dict[int, list[int]] = {}
+            for rank in ranks:
+                steps: list[int] = []
+                for segment in self._slots.get(rank, []):
+                    if segment is None:
+                        continue
+                    info = memory.inspect_slot(segment.name)
+                    header = info.header
+                    if (info.valid_step is not None and header is not None
+                            and header.run_id == self.run_id[:64]
+                            and header.world_size == world_size and header.rank == rank):
+                        steps.append(info.valid_step)
+                    elif info.error:
+                        logger.warning("slot %s unusable: %s", segment.name, info.error)
+                found[rank] = sorted(steps)
+            return found
+
+
+class SlotServer:
+    """Serves worker requests on an abstract Unix socket, one thread per connection.
+
+    Requests and replies are single JSON lines: ``{"op": "alloc", "rank": R, "nbytes": N}``
+    -> ``{"ok": true, "slots": [name0, name1]}``; ``{"op": "committed", "rank": R,
+    "step": S}`` -> ``{"ok": true}``. An allocation that /dev/shm cannot hold is fatal for
+    the run: it is kept in :attr:`fatal` for the supervisor to stop the job.
+    """
+
+    def __init__(self, owner: SlotOwner) -> None:
+        self.owner = owner
+        self.address = f"\0{owner.prefix}{os.getpid()}-{time.monotonic_ns()}"
+        self.fatal: StorageError | None = None
+        self.committed: dict[int, int] = {}
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.address)
+        self._sock.listen(64)
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="gemini-slots",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def env_address(self) -> str:
+        """The socket address as an environment variable can carry it ('@' for NUL)."""
+        return "@" + self.address[1:]
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name="gemini-slots-conn").start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rwb") as stream:
+            for line in stream:
+                try:
+                    reply = self._handle(json.loads(line))
+                except StorageError as exc:
+                    self.fatal = self.fatal or exc
+                    reply = {"ok": False, "error": str(exc), "fatal": True}
+                except (ValueError, KeyError, TypeError) as exc:
+                    reply = {"ok": False, "error": f"bad request: {exc}"}
+                stream.write((json.dumps(reply) + "\n").encode())
+                stream.flush()
+
+    def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request["op"]
+        rank = int(request["rank"])
+        if op == "alloc":
+            nbytes = int(request["nbytes"])
+            if nbytes <= 0 or nbytes > 1 << 46:
+                raise ValueError(f"nbytes={nbytes}")
+            return {"ok": True, "slots": self.owner.allocate(rank, nbytes)}
+        if op == "committed":
+            self.committed[rank] = int(request["step"])
+            return {"ok": True}
+        raise ValueError(f"unknown op {op!r}")
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+
+
+#: Worker environment variables (read by ``launcher.hook``).
+ENV_SOCKET = "GEMINI_SLOT_SOCKET"
+ENV_PREFIX = "GEMINI_SLOT_PREFIX"
+ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
+
+
+class MemoryService:
+    """The supervisor service of the in-memory tier (see ``agent.SupervisorService``).
+
+    Before each round it gathers, from every host through the round's store, which steps
+    each rank holds in memory, picks the newest step complete for all ranks, and tells
+    its workers through ``GEMINI_RESTORE_STEP``.
+    """
+
+    def __init__(self, *, run_id: str, host_id: str, local_world_size: int,
+                 events: EventLog) -> None:
+        self.owner = SlotOwner(run_id=run_id, host_id=host_id,
+                               local_world_size=local_world_size)
+        self.server = SlotServer(self.owner)
+        self.events = events
+        os.environ[ENV_SOCKET] = self.server.env_address
+        os.environ[ENV_PREFIX] = self.owner.prefix
+
+    def before_start(self, group: WorkerGroup, store: Store) -> None:
+        ranks = [w.global_rank for w in group.workers]
+        world_size = group.workers[0].world_size if group.workers else 0
+        mine = self.owner.holdings(ranks, world_size)
+        store.set(f"holdings/{group.group_rank}", json.dumps(mine))
+        holdings: dict[int, list[int]] = {}
+        for peer in range(group.group_world_size):
+            theirs = json.loads(store.get(f"holdings/{peer}"))
+            holdings.update({int(rank): steps for rank, steps in theirs.items()})
+        step = choose_step(holdings, world_size)
+        os.environ[ENV_RESTORE_STEP] = str(-1 if step is None else step)
+        self.events.write("restore_plan", step=step, local=mine)
+
+    def after_stop(self, group: WorkerGroup) -> None:
+        pass
+
+    def check(self) -> None:
+        if self.server.fatal is not None:
+            raise self.server.fatal
+
+    def close(self) -> None:
+        self.server.close()
+        self.owner.close()

@@ -1,0 +1,102 @@
+"""A small, fully deterministic DDP training job that uses gemini's Checkpointer.
+
+Fault injection for tests (deterministic, only on the attempt given):
+  --kill RANK:STEP:WHEN[:ATTEMPT]   SIGKILL rank RANK at step STEP, WHEN is
+      "copy"  inside the background snapshot copy of STEP, after some tensors are written
+      "step"  between steps, after the snapshot of STEP is committed
+Prints "resume rank=R start=S attempt=A" and, on rank 0, "step S loss L".
+"""
+
+import argparse
+import os
+import random
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from launcher import Checkpointer, hook
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--width", type=int, default=64)
+p.add_argument("--depth", type=int, default=2)
+p.add_argument("--out", default="")
+p.add_argument("--kill", action="append", default=[])
+p.add_argument("--sleep", type=float, default=0.0)
+args = p.parse_args()
+
+torch.manual_seed(0)
+random.seed(0)
+torch.use_deterministic_algorithms(True)
+distributed = "RANK" in os.environ
+if distributed:
+    dist.init_process_group("gloo")
+rank = dist.get_rank() if distributed else 0
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+layers = []
+for _ in range(args.depth):
+    layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
+net = torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 1))
+model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
+extra = {"scheduler": sched, "progress": {"samples": 0}}
+ckpt = Checkpointer(model=model, optimizer=opt, extra=extra)
+start = ckpt.restore()
+print(f"resume rank={rank} start={start} attempt={attempt}", flush=True)
+
+kills = []
+for spec in args.kill:
+    parts = spec.split(":")
+    kills.append((int(parts[0]), int(parts[1]), parts[2], int(parts[3]) if len(parts) > 3 else 0))
+
+
+copy_kill_steps = {k_step for k_rank, k_step, when, k_attempt in kills
+                   if (k_rank, when, k_attempt) == (rank, "copy", attempt)}
+if copy_kill_steps:
+    real_copy = hook._copy_and_hash
+    copied = []
+
+    def copy_then_die(buf, entry):
+        copied.append(entry.path)
+        if len(copied) == 3:  # the third tensor of the snapshot of a doomed step
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_copy(buf, entry)
+
+    def arm(step):
+        copied.clear()
+        hook._copy_and_hash = copy_then_die if step in copy_kill_steps else real_copy
+
+
+for step in range(start, args.steps):
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    x = torch.randn(16, args.width, generator=g)
+    y = x.sum(dim=1, keepdim=True).sin() + 0.01 * torch.rand(16, 1)  # global RNG used too
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    sched.step()
+    extra["progress"]["samples"] += 16
+    if copy_kill_steps:
+        arm(step)
+    ckpt.save(step)
+    if (rank, step, "step", attempt) in kills:
+        ckpt.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if copy_kill_steps and step in copy_kill_steps:
+        ckpt.wait()  # the copy thread kills the process before this returns
+    if rank == 0:
+        print(f"step {step} loss {loss.item():.6f}", flush=True)
+    if args.sleep:
+        time.sleep(args.sleep)
+
+ckpt.wait()
+if rank == 0 and args.out:
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "samples": extra["progress"]["samples"],
+                "rng": torch.get_rng_state()}, args.out)
+if distributed:
+    dist.destroy_process_group()
