@@ -246,6 +246,10 @@ def main() -> None:
         print(f"done steps={args.steps} final_loss={loss:.4f}", flush=True)
         if args.save_weights:
             torch.save(model.state_dict(), args.save_weights)
+    # Free DDP before the group: if DDP's reducer drops the last reference to a gloo
+    # group, the group's threads are joined with the GIL held and can deadlock at exit
+    # (pytorch/pytorch#56297); destroy_process_group releases the GIL first.
+    del ddp_model
     if world_size > 1:
         dist.destroy_process_group()
 

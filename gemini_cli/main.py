@@ -11,7 +11,9 @@ from collections.abc import Sequence
 
 import click
 
+from gemini_cli.clean import clean_command
 from gemini_cli.errors import INTERNAL_EXIT, USAGE_EXIT, exit_code
+from gemini_cli.inspect import inspect_command
 from gemini_cli.run import run_command
 from gemini_cli.template import template_command
 from launcher import __version__
@@ -29,6 +31,8 @@ def cli() -> None:
 
 
 cli.add_command(run_command)
+cli.add_command(inspect_command)
+cli.add_command(clean_command)
 cli.add_command(template_command)
 
 

@@ -172,6 +172,12 @@ class Checkpointer:
         self.wait()
         step = int(os.environ.get(ENV_RESTORE_STEP, "-1"))
         self._attach_existing()
+        if step < 0 and all(segment is None for segment in self._segments):
+            # Fail before training, not at the first save, if /dev/shm is too small.
+            tensors: list[tuple[str, torch.Tensor]] = []
+            _flatten(self._capture(), "", tensors)
+            nbytes = memory.slot_size(self._plan(tensors)[1], 0)
+            self._request({"op": "check", "rank": self.rank, "nbytes": nbytes})
         if step < 0:
             self._discard_newer_than(-1)
             return 0

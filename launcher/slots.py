@@ -137,9 +137,21 @@ class SlotOwner:
         need_now = len(grow) * nbytes - released
         free = memory.shm_free_bytes()
         if need_now > free:
+            raise StorageError(self._too_small(nbytes, free))
+
+    def check_capacity(self, rank: int, nbytes: int) -> None:
+        """Raise StorageError now if slots of ``nbytes`` for every local rank cannot fit."""
+        with self._lock:
+            have = sum(seg.size for pair in self._slots.values() for seg in pair
+                       if seg is not None)
             total = 2 * nbytes * self.local_world_size
-            raise StorageError(
-                f"{memory.SHM_DIR} is too small for in-memory checkpoints: need {total} bytes "
+            free = memory.shm_free_bytes()
+            if total - have > free:
+                raise StorageError(self._too_small(nbytes, free))
+
+    def _too_small(self, nbytes: int, free: int) -> str:
+        total = 2 * nbytes * self.local_world_size
+        return (f"{memory.SHM_DIR} is too small for in-memory checkpoints: need {total} bytes "
                 f"(2 slots x {nbytes} bytes x {self.local_world_size} local ranks), "
                 f"{free} bytes available; enlarge it (e.g. docker run --shm-size) "
                 f"or use fewer workers per host")
@@ -235,6 +247,9 @@ class SlotServer:
             if nbytes <= 0 or nbytes > 1 << 46:
                 raise ValueError(f"nbytes={nbytes}")
             return {"ok": True, "slots": self.owner.allocate(rank, nbytes)}
+        if op == "check":
+            self.owner.check_capacity(rank, int(request["nbytes"]))
+            return {"ok": True}
         if op == "committed":
             self.committed[rank] = int(request["step"])
             return {"ok": True}
@@ -295,3 +310,30 @@ class MemoryService:
     def close(self) -> None:
         self.server.close()
         self.owner.close()
+
+
+def find_leftovers() -> dict[str, list[str]]:
+    """Segments whose owning supervisor is gone, grouped by run/host prefix."""
+    groups: dict[str, list[str]] = {}
+    for name in memory.list_segments():
+        parsed = memory.parse_slot_name(name)
+        prefix = parsed[0] if parsed else (
+            name[: -len(OWNER_SUFFIX)] if name.endswith(OWNER_SUFFIX) else None)
+        if prefix is not None:
+            groups.setdefault(prefix, []).append(name)
+    dead: dict[str, list[str]] = {}
+    for prefix, names in groups.items():
+        owner = read_owner(prefix)
+        if owner is None or not owner_alive(owner):
+            dead[prefix] = sorted(names)
+    return dead
+
+
+def clean(*, dry_run: bool = False) -> dict[str, list[str]]:
+    """Remove the segments of dead runs on this host; return what was (or would be) removed."""
+    dead = find_leftovers()
+    if not dry_run:
+        for names in dead.values():
+            for name in names:
+                memory.unlink_segment(name)
+    return dead

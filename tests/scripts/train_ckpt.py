@@ -4,6 +4,7 @@ Fault injection for tests (deterministic, only on the attempt given):
   --kill RANK:STEP:WHEN[:ATTEMPT]   SIGKILL rank RANK at step STEP, WHEN is
       "copy"  inside the background snapshot copy of STEP, after some tensors are written
       "step"  between steps, after the snapshot of STEP is committed
+      "flip"  like "step", but first flip one bit of that committed snapshot in memory
 Prints "resume rank=R start=S attempt=A" and, on rank 0, "step S loss L".
 """
 
@@ -16,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from launcher import Checkpointer, hook
+from launcher import Checkpointer, hook, memory
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
@@ -84,8 +85,11 @@ for step in range(start, args.steps):
     if copy_kill_steps:
         arm(step)
     ckpt.save(step)
-    if (rank, step, "step", attempt) in kills:
+    if (rank, step, "step", attempt) in kills or (rank, step, "flip", attempt) in kills:
         ckpt.wait()
+        if (rank, step, "flip", attempt) in kills:
+            newest = ckpt._segments[ckpt._newest]
+            newest.view[memory.HEADER_SIZE + 100] ^= 0x10
         os.kill(os.getpid(), signal.SIGKILL)
     if copy_kill_steps and step in copy_kill_steps:
         ckpt.wait()  # the copy thread kills the process before this returns

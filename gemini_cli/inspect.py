@@ -1,0 +1,91 @@
+"""``gemini inspect``: what this host holds in shared memory, verified against checksums."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+SCHEMA = "gemini.inspect/v1"
+
+
+@click.command("inspect", short_help="Show the checkpoints this host holds in memory.")
+@click.option("--run-id", default=None, help="Only the slots of this run (its rdzv id).")
+@click.option("--tensors", is_flag=True, help="List every tensor of each committed slot.")
+@click.option("--no-verify", is_flag=True, help="Skip recomputing the checksums.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema gemini.inspect/v1).")
+def inspect_command(run_id: str | None, tensors: bool, no_verify: bool, as_json: bool) -> int:
+    """List every checkpoint slot in this host's shared memory: run, rank, slot, step,
+    state, sizes and tensors; checksums are verified unless --no-verify.
+
+    Exit code 0 when every committed slot verifies, 5 when one is corrupt.
+    """
+    from launcher import memory
+
+    prefix = memory.PREFIX + (memory.run_key(run_id) if run_id else "")
+    rows = [_row(info, tensors) for info in memory.iter_slots(prefix, check=not no_verify)]
+    if as_json:
+        click.echo(json.dumps({"schema": SCHEMA, "shm_dir": str(memory.SHM_DIR),
+                               "slots": rows}, indent=2))
+    else:
+        _render(rows, tensors, str(memory.SHM_DIR))
+    corrupt = any(r["state"] == "COMMITTED" and r["error"] for r in rows)
+    return 5 if corrupt else 0
+
+
+def _row(info: Any, with_tensors: bool) -> dict[str, Any]:
+    header, meta = info.header, info.meta
+    row: dict[str, Any] = {
+        "segment": info.name, "rank": info.rank, "slot": info.index, "bytes": info.size,
+        "run_id": header.run_id if header else None,
+        "state": header.state.name if header else "INVALID",
+        "step": header.step if header and header.state.name == "COMMITTED" else None,
+        "seq": header.seq if header else None,
+        "world_size": header.world_size if header else None,
+        "data_bytes": header.data_len if header else None,
+        "tensor_count": len(meta["tensors"]) if meta else None,
+        "verified": bool(meta) and info.error is None,
+        "error": info.error,
+    }
+    if with_tensors and meta:
+        row["tensors"] = [{k: t[k] for k in ("path", "dtype", "shape", "nbytes", "xxh3")}
+                          for t in meta["tensors"]]
+    return row
+
+
+def _render(rows: list[dict[str, Any]], with_tensors: bool, shm_dir: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not rows:
+        console.print(f"no gemini checkpoint slots in {shm_dir}")
+        return
+    table = Table(title=f"in-memory checkpoints in {shm_dir}")
+    for column in ("run", "rank", "slot", "state", "step", "tensors", "data", "size", "check"):
+        table.add_column(column, justify="right" if column in ("rank", "slot", "step") else "left")
+    for r in rows:
+        check = "[red]" + r["error"] + "[/]" if r["error"] else (
+            "[green]ok[/]" if r["verified"] else "-")
+        table.add_row(str(r["run_id"] or "?"), str(r["rank"]), str(r["slot"]), r["state"],
+                      "" if r["step"] is None else str(r["step"]),
+                      "" if r["tensor_count"] is None else str(r["tensor_count"]),
+                      _size(r["data_bytes"]), _size(r["bytes"]), check)
+    console.print(table)
+    if with_tensors:
+        for r in rows:
+            for t in r.get("tensors", []):
+                console.print(f"  r{r['rank']}s{r['slot']} {t['path']} {t['dtype']} "
+                              f"{tuple(t['shape'])} {_size(t['nbytes'])}")
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return ""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)

@@ -1,0 +1,201 @@
+"""In-memory checkpoints end to end: real gemini run, real workers, real SIGKILLs.
+
+Every run must end bitwise identical (model, optimizer, RNG, user values) to a run that
+never failed, resume exactly after the newest step every rank committed, and leave no
+shared-memory segment behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from helpers import GEMINI, SCRIPTS, env_with, free_port, kill_group, run, start
+from launcher import memory
+
+TRAIN = str(SCRIPTS / "train_ckpt.py")
+
+
+def _no_segments() -> list[str]:
+    return memory.list_segments()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> None:
+    before = set(_no_segments())
+    yield
+    left = set(_no_segments()) - before
+    assert not left, f"segments left behind: {sorted(left)}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    tmp = tmp_path_factory.mktemp("ref")
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", TRAIN, "--steps", "12",
+                "--out", str(tmp / "ref.pt")], env=env_with(tmp))
+    assert done.returncode == 0, done.output
+    return torch.load(tmp / "ref.pt")
+
+
+def _assert_bitwise(result: dict, reference: dict) -> None:
+    assert result["model"].keys() == reference["model"].keys()
+    for key in reference["model"]:
+        assert torch.equal(result["model"][key], reference["model"][key]), key
+    for pid, state in reference["opt"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(result["opt"]["state"][pid][name], value), (pid, name)
+    assert result["samples"] == reference["samples"]
+    assert torch.equal(result["rng"], reference["rng"])
+
+
+def _resumes(stdout: str) -> dict[int, set[int]]:
+    """attempt -> start steps printed by the ranks."""
+    found: dict[int, set[int]] = {}
+    for start_step, attempt in re.findall(r"resume rank=\d+ start=(\d+) attempt=(\d+)", stdout):
+        found.setdefault(int(attempt), set()).add(int(start_step))
+    return found
+
+
+@pytest.mark.parametrize("kills,expected", [
+    # rank 1 dies inside the copy of step 4: step 3 is the newest complete step
+    (["1:4:copy"], {0: {0}, 1: {4}}),
+    # rank 0 dies between steps, after step 6 is committed everywhere
+    (["0:6:step"], {0: {0}, 1: {7}}),
+    # several failures in one run, different ranks, both kinds
+    (["1:2:copy", "0:5:step:1", "1:9:copy:2"], {0: {0}, 1: {2}, 2: {6}, 3: {9}}),
+    # a flipped bit in rank 1's newest snapshot (step 7): fall back to step 6
+    (["1:7:flip"], {0: {0}, 1: {7}}),
+])
+def test_kill_resumes_bitwise(tmp_path: Path, reference: dict, kills: list[str],
+                              expected: dict[int, set[int]]) -> None:
+    args = [arg for k in kills for arg in ("--kill", k)]
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "3", TRAIN,
+                "--steps", "12", "--out", str(tmp_path / "out.pt"), *args],
+               env=env_with(tmp_path), timeout=240)
+    assert done.returncode == 0, done.output[-4000:]
+    assert _resumes(done.stdout) == expected
+    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def _read_lines(proc: subprocess.Popen[str], sink: list[str]) -> threading.Thread:
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sink.append(line)
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
+
+
+def _wait_for(lines: list[str], pattern: str, timeout: float = 120) -> re.Match[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in list(lines):
+            match = re.search(pattern, line)
+            if match:
+                return match
+        time.sleep(0.05)
+    raise AssertionError(f"no line matching {pattern!r}:\n{''.join(lines)[-3000:]}")
+
+
+def _workers(proc: subprocess.Popen[str]) -> list[psutil.Process]:
+    children = psutil.Process(proc.pid).children(recursive=True)
+    return [c for c in children if "train_ckpt.py" in " ".join(c.cmdline())]
+
+
+def test_random_kills_of_running_workers(tmp_path: Path, reference: dict) -> None:
+    seed = int(os.environ.get("GEMINI_TEST_SEED", time.time_ns() % 10_000))
+    rng = random.Random(seed)
+    proc = start([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "5", TRAIN,
+                  "--steps", "12", "--sleep", "0.15", "--out", str(tmp_path / "out.pt")],
+                 env=env_with(tmp_path))
+    lines: list[str] = []
+    pump = _read_lines(proc, lines)
+    try:
+        for attempt in range(3):
+            _wait_for(lines, rf"resume rank=\d start=\d+ attempt={attempt}")
+            time.sleep(rng.uniform(0.2, 1.0))
+            victims = _workers(proc)
+            if not victims:
+                break
+            rng.choice(victims).send_signal(signal.SIGKILL)
+            _wait_for(lines, rf"resume rank=\d start=\d+ attempt={attempt + 1}")
+        assert proc.wait(timeout=180) == 0, "".join(lines)[-4000:]
+    finally:
+        kill_group(proc)
+        pump.join(timeout=10)
+    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference), f"seed {seed}"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_cleanly(tmp_path: Path, signum: int) -> None:
+    proc = start([*GEMINI, "run", "--nproc-per-node", "2", TRAIN, "--steps", "200",
+                  "--sleep", "0.1"], env=env_with(tmp_path))
+    lines: list[str] = []
+    pump = _read_lines(proc, lines)
+    try:
+        _wait_for(lines, r"^step 3 ")
+        assert memory.list_segments()
+        os.kill(proc.pid, signum)
+        assert proc.wait(timeout=60) == 128 + signum
+    finally:
+        kill_group(proc)
+        pump.join(timeout=10)
+
+
+def test_failed_job_leaves_no_segments(tmp_path: Path) -> None:
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "1", TRAIN,
+                "--steps", "12", "--kill", "1:3:step", "--kill", "1:5:step:1"],
+               env=env_with(tmp_path), timeout=180)
+    assert done.returncode == 1
+    assert "rank      : 1 (local_rank: 1)" in done.stderr
+
+
+def test_restarted_supervisor_adopts_its_segments(tmp_path: Path, reference: dict) -> None:
+    """SIGKILL the supervisor and workers (a host reboot without losing /dev/shm): the same
+    run started again adopts the slots and resumes instead of starting over."""
+    port = free_port()
+    command = [*GEMINI, "run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"adopt-{port}",
+               TRAIN, "--steps", "12", "--sleep", "0.1", "--out", str(tmp_path / "out.pt")]
+    proc = start(command, env=env_with(tmp_path))
+    lines: list[str] = []
+    pump = _read_lines(proc, lines)
+    _wait_for(lines, r"^step 5 ")
+    kill_group(proc)
+    proc.wait(timeout=30)
+    pump.join(timeout=10)
+    held = json.loads(run([*GEMINI, "inspect", "--json"]).stdout)
+    steps = {s["step"] for s in held["slots"] if s["run_id"] == f"adopt-{port}"}
+    assert steps and max(steps) >= 4, held
+    done = run(command, env=env_with(tmp_path), timeout=180)
+    assert done.returncode == 0, done.output[-3000:]
+    starts = [int(s) for s in re.findall(r"resume rank=\d start=(\d+)", done.stdout)]
+    assert len(set(starts)) == 1 and starts[0] >= 5
+    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a private tmpfs")
+def test_shm_too_small_stops_before_training(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    gemini = " ".join(GEMINI)
+    script = (f"mount -t tmpfs -o size=1m tmpfs {shm} && exec {gemini} run "
+              f"--nproc-per-node 2 {TRAIN} --width 512 --steps 3")
+    done = run(["unshare", "--mount", "sh", "-c", script],
+               env=env_with(tmp_path, GEMINI_SHM_DIR=str(shm)), timeout=120)
+    assert done.returncode == 4, done.output[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert re.match(r"gemini: error: .* too small .* need \d+ bytes .* \d+ bytes available", last)
+    assert "step 0" not in done.stdout

@@ -1,0 +1,211 @@
+"""Shared-memory slots, the supervisor's slot owner, and the worker hook, in one process.
+
+Real /dev/shm segments, a real Unix socket server; no torch elastic.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from launcher import hook, memory
+from launcher.errors import CheckpointError, StorageError
+from launcher.recovery import choose_step
+from launcher.slots import SlotOwner, SlotServer, clean, find_leftovers
+
+
+@pytest.fixture
+def run_id(request: pytest.FixtureRequest) -> Iterator[str]:
+    rid = f"test-{os.getpid()}-{request.node.name}"
+    yield rid
+    for name in memory.list_segments(memory.PREFIX + memory.run_key(rid)):
+        memory.unlink_segment(name)
+
+
+@pytest.fixture
+def supervisor(run_id: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlotServer]:
+    """A slot owner and server as the supervisor runs them, and the worker environment."""
+    owner = SlotOwner(run_id=run_id, host_id="h0", local_world_size=1)
+    server = SlotServer(owner)
+    monkeypatch.setenv(hook.ENV_SOCKET, server.env_address)
+    monkeypatch.setenv(hook.ENV_PREFIX, owner.prefix)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "-1")
+    yield server
+    server.close()
+    owner.close()
+    assert memory.list_segments(owner.prefix) == []
+
+
+def _model(width: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width))
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, model[0].in_features)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_choose_step() -> None:
+    assert choose_step({0: [3, 4], 1: [4, 5]}, 2) == 4
+    assert choose_step({0: [3, 4], 1: [5]}, 2) is None
+    assert choose_step({0: [3, 4]}, 2) is None
+    assert choose_step({}, 1) is None
+    assert choose_step({0: [7, 2], 1: [2, 7], 2: [7]}, 3) == 7
+
+
+def test_tree_roundtrip_keeps_types() -> None:
+    tree = {"a": (1, 2.5, "x"), 3: [None, True, b"\x00\xff"], "__k": torch.float16,
+            "t": torch.arange(3), "nested": {0: {"inf": float("inf")}}}
+    tensors: list[tuple[str, torch.Tensor]] = []
+    skeleton = hook._flatten(tree, "", tensors)
+    back = hook._unflatten(skeleton, [t for _, t in tensors])
+    assert back.keys() == tree.keys()
+    assert back["a"] == (1, 2.5, "x") and back[3] == [None, True, b"\x00\xff"]
+    assert back["__k"] is torch.float16 and torch.equal(back["t"], tree["t"])
+    assert back["nested"] == {0: {"inf": float("inf")}}
+
+
+def test_unsupported_value_is_a_clear_error() -> None:
+    with pytest.raises(CheckpointError, match="extra/x.*set"):
+        hook._flatten({"extra": {"x": {1, 2}}}, "", [])
+
+
+def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _model()
+    extra = {"count": 3, "sched": torch.optim.lr_scheduler.StepLR(opt, 2)}
+    ckpt = hook.Checkpointer(model=model, optimizer=opt, extra=extra)
+    assert ckpt.restore() == 0
+    for step in range(3):
+        _train(model, opt)
+        extra["sched"].step()
+        extra["count"] = step
+        ckpt.save(step)
+    ckpt.wait()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    ckpt.close()
+    assert supervisor.committed == {0: 2}
+
+    model2, opt2 = _model()
+    extra2 = {"count": -1, "sched": torch.optim.lr_scheduler.StepLR(opt2, 2)}
+    torch.manual_seed(123)
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "2")
+    ckpt2 = hook.Checkpointer(model=model2, optimizer=opt2, extra=extra2)
+    assert ckpt2.restore() == 3
+    for key, value in model2.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert extra2["count"] == 2 and extra2["sched"].last_epoch == 3
+    assert torch.equal(torch.get_rng_state(), rng)
+    # optimizer state must not alias the slot: training on must not change slot bytes
+    _train(model2, opt2)
+    ckpt2.close()
+    info = [memory.inspect_slot(n) for n in memory.list_segments(supervisor.owner.prefix + "r")]
+    assert {i.valid_step for i in info} == {1, 2}
+
+
+def test_flipped_byte_falls_back_to_older_slot(supervisor: SlotServer) -> None:
+    model, opt = _model()
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+    for step in range(2):
+        _train(model, opt)
+        ckpt.save(step)
+    ckpt.close()
+    owner = supervisor.owner
+    assert owner.holdings([0], 1) == {0: [0, 1]}
+    newest = next(s for s in memory.iter_slots(owner.prefix) if s.valid_step == 1)
+    segment = memory.attach_segment(newest.name)
+    segment.view[memory.HEADER_SIZE + 5] ^= 0x01  # one flipped bit in tensor data
+    segment.close()
+    assert owner.holdings([0], 1) == {0: [0]}
+    assert "checksum mismatch" in (memory.inspect_slot(newest.name).error or "")
+
+
+def test_mismatched_checkpoint_is_a_clear_error(supervisor: SlotServer,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _model(8)
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+    ckpt.save(0)
+    ckpt.close()
+    other, other_opt = _model(16)
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "0")
+    with pytest.raises(CheckpointError, match="does not match the model.*size mismatch"):
+        hook.Checkpointer(model=other, optimizer=other_opt).restore()
+
+
+def test_slot_grows_without_losing_newest(supervisor: SlotServer) -> None:
+    owner = supervisor.owner
+    names = owner.allocate(0, 1 << 16)
+    seg = memory.attach_segment(names[1])
+    memory.write_commit(seg.view, step=7, seq=1, rank=0, world_size=1, run_id=owner.run_id,
+                        data_len=0, meta=b'{"tree":{},"tensors":[]}')
+    seg.close()
+    owner.allocate(0, 1 << 20)  # slot 1 holds the newest step: only slot 0 grows
+    sizes = [memory.attach_segment(n).size for n in names]
+    assert sizes[0] >= 1 << 20 and sizes[1] == 1 << 16
+    assert owner.holdings([0], 1) == {0: [7]}
+
+
+def test_shm_too_small_is_reported_with_sizes(supervisor: SlotServer) -> None:
+    huge = memory.shm_free_bytes() + (1 << 30)
+    with pytest.raises(StorageError, match=r"need \d+ bytes .* bytes available.*shm-size"):
+        supervisor.owner.allocate(0, huge)
+    with pytest.raises(StorageError, match="too small"):
+        supervisor.owner.check_capacity(0, huge)
+
+
+def test_inactive_outside_gemini_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(hook.ENV_SOCKET, raising=False)
+    monkeypatch.setattr(hook, "_warned_inactive", False)
+    model, opt = _model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt = hook.Checkpointer(model=model, optimizer=opt)
+        hook.Checkpointer(model=model)
+    assert len(caught) == 1 and "not running under `gemini run`" in str(caught[0].message)
+    assert ckpt.restore() == 0
+    ckpt.save(0)
+    ckpt.wait()
+
+
+_DIE_WITH_SEGMENTS = """
+import os, sys
+from launcher.slots import SlotOwner
+owner = SlotOwner(run_id=sys.argv[1], host_id="h0", local_world_size=1)
+owner.allocate(0, 1 << 16)
+os._exit(0)  # like SIGKILL: no cleanup
+"""
+
+
+def test_adoption_and_clean_of_dead_owner(run_id: str) -> None:
+    subprocess.run([sys.executable, "-c", _DIE_WITH_SEGMENTS, run_id], check=True, timeout=60)
+    prefix = memory.segment_prefix(run_id, "h0")
+    left = memory.list_segments(prefix)
+    assert len(left) == 3  # two slots and the owner file
+    assert prefix in find_leftovers()
+    owner = SlotOwner(run_id=run_id, host_id="h0", local_world_size=1)  # adopts
+    assert prefix not in find_leftovers()  # live owner now
+    second = subprocess.run([sys.executable, "-c",
+                             "import sys; from launcher.slots import SlotOwner; "
+                             "SlotOwner(run_id=sys.argv[1], host_id='h0', local_world_size=1)",
+                             run_id], capture_output=True, text=True, timeout=60)
+    assert second.returncode != 0 and "already has a live supervisor" in second.stderr
+    owner._slots.clear()  # forget without unlinking, then die like a killed supervisor
+    os.unlink(memory.SHM_DIR / (prefix + "owner"))
+    removed = clean()
+    assert sorted(removed[prefix]) == sorted(n for n in left if not n.endswith("owner"))
+    assert memory.list_segments(prefix) == []
