@@ -86,7 +86,7 @@ def _options(command: Callable[..., Any]) -> Callable[..., Any]:
 @click.argument("script", metavar="SCRIPT|MODULE")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
 @click.pass_context
-def run_command(ctx: click.Context, config_file: str | None, script: str,
+def run_command(ctx: click.Context, /, config_file: str | None, script: str,
                 script_args: tuple[str, ...], **options: Any) -> int:
     """Launch SCRIPT on every worker, exactly as torchrun would, under gemini's supervisor.
 

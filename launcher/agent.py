@@ -29,7 +29,7 @@ from launcher.errors import Interrupted, StoreError, UsageError, WorkerFailedErr
 from launcher.events import EventLog, run_directory
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch.distributed.distributed_c10d import Store
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -92,10 +92,10 @@ def _agent_class() -> type:
 
 
 def _define_agent(base: type) -> type:
-    from torch.distributed import PrefixStore, TCPStore
+    from torch._C._distributed_c10d import PrefixStore, TCPStore
     from torch.distributed.elastic.agent.server.api import WorkerState
 
-    class GeminiAgent(base):  # type: ignore[valid-type,misc]
+    class GeminiAgent(base):  # type: ignore[misc]
         """LocalElasticAgent plus a per-round worker store, events and services."""
 
         def __init__(self, *args: Any, events: EventLog,
@@ -117,9 +117,10 @@ def _define_agent(base: type) -> type:
             scope = "gemini/"
             if worker_group.spec.rdzv_handler.get_backend() == "static":
                 scope += f"{self._restart_count(worker_group)}/"
+            assert worker_group.store is not None  # set by super()._rendezvous
             self._round_store = PrefixStore(scope, worker_group.store)
             if worker_group.spec.rdzv_handler.use_agent_store:
-                self._publish_worker_store(worker_group)
+                self._publish_worker_store(worker_group, self._round_store)
             self._events.write(
                 "rendezvous",
                 round=self._round,
@@ -131,27 +132,28 @@ def _define_agent(base: type) -> type:
                 ranks=[w.global_rank for w in worker_group.workers],
             )
 
-        def _publish_worker_store(self, worker_group: WorkerGroup) -> None:
+        def _publish_worker_store(self, worker_group: WorkerGroup, store: Store) -> None:
             """Group rank 0 hosts a new TCPStore for this round's workers; all agents point
             MASTER_ADDR/MASTER_PORT at it. Keys of earlier rounds cannot leak into it."""
-            store = self._round_store
             self._worker_store = None  # the previous round's server shuts down
             if worker_group.group_rank == 0:
-                self._worker_store = TCPStore(
-                    host_name=worker_group.master_addr, port=0, is_master=True,
-                    wait_for_workers=False,
-                )
-                address = [worker_group.master_addr, self._worker_store.port]
+                host = str(worker_group.master_addr)
+                self._worker_store = TCPStore(host_name=host, port=0, is_master=True,
+                                              wait_for_workers=False)
+                address: list[Any] = [host, self._worker_store.port]
                 store.set("worker_store", json.dumps(address))
             else:
                 address = json.loads(store.get("worker_store"))
-            worker_group.master_addr, worker_group.master_port = address[0], int(address[1])
+            # WorkerGroup declares these None; torch's own _rendezvous assigns them too.
+            worker_group.master_addr = str(address[0])  # type: ignore[assignment]
+            worker_group.master_port = int(address[1])  # type: ignore[assignment]
 
         def _restart_count(self, worker_group: WorkerGroup) -> int:
             return int(worker_group.spec.max_restarts - self._remaining_restarts)
 
         # -- workers -------------------------------------------------------------------
         def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+            assert self._round_store is not None  # set by _rendezvous
             for service in self._services:
                 service.before_start(worker_group, self._round_store)
             self._reported_failure = False
@@ -177,7 +179,7 @@ def _define_agent(base: type) -> type:
         def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
             for service in self._services:
                 service.check()
-            result = super()._monitor_workers(worker_group)
+            result: RunResult = super()._monitor_workers(worker_group)
             if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and (
                 not self._reported_failure
             ):
@@ -258,21 +260,21 @@ def launch(config: RunConfig, command: Command, *,
     """
     check_command(config, command)
     import torch.distributed.run as torchrun
-
-    from launcher.slots import MemoryService
+    from torch.distributed import DistError
     from torch.distributed.elastic import events as torch_events
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import (
         ChildFailedError,
         get_error_handler,
     )
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed import DistError
     from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
     from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.launcher.api import _get_addr_and_port, _get_entrypoint_name
 
-    args = torchrun.parse_args(torchrun_argv(config, command))
+    from launcher.slots import MemoryService
+
+    args = torchrun.parse_args(torchrun_argv(config, command))  # type: ignore[no-untyped-call]
     _apply_torchrun_defaults(args, torchrun.parse_min_max_nnodes)
     launch_config, entrypoint, entry_args = torchrun.config_from_args(args)
     if not launch_config.run_id:
@@ -345,7 +347,7 @@ def launch(config: RunConfig, command: Command, *,
             _, first = failed.get_first_failure()
             if first.error_file != "<N/A>":
                 error_handler.dump_error_file(first.error_file, first.exitcode)
-            raise WorkerFailedError(failed.format_msg())
+            raise WorkerFailedError(failed.format_msg())  # type: ignore[no-untyped-call]
         outcome = "succeeded"
     except (RendezvousError, DistError) as exc:
         raise StoreError(f"rendezvous failed: {type(exc).__name__}: {exc}") from exc

@@ -103,7 +103,7 @@ def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     numpy = sys.modules.get("numpy")
     if numpy is not None:
@@ -205,7 +205,7 @@ class Checkpointer:
         cuda = [t for _, t in tensors if t.is_cuda]
         event = None
         if cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
         self._thread = threading.Thread(target=self._copy_in_background, name="gemini-save",
                                         args=(step, skeleton, tensors, event), daemon=True)

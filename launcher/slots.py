@@ -26,7 +26,7 @@ from launcher.events import EventLog
 from launcher.recovery import choose_step
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch.distributed.distributed_c10d import Store
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
 logger = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class SlotOwner:
 
     def _check_capacity(self, pair: list[memory.Segment | None], grow: list[int],
                         nbytes: int) -> None:
-        released = sum(pair[i].size for i in grow if pair[i] is not None)  # type: ignore[union-attr]
+        released = sum(seg.size for i in grow if (seg := pair[i]) is not None)
         need_now = len(grow) * nbytes - released
         free = memory.shm_free_bytes()
         if need_now > free:
@@ -293,7 +293,7 @@ class MemoryService:
         mine = self.owner.holdings(ranks, world_size)
         store.set(f"holdings/{group.group_rank}", json.dumps(mine))
         holdings: dict[int, list[int]] = {}
-        for peer in range(group.group_world_size):
+        for peer in range(group.group_world_size or 1):
             theirs = json.loads(store.get(f"holdings/{peer}"))
             holdings.update({int(rank): steps for rank, steps in theirs.items()})
         step = choose_step(holdings, world_size)

@@ -20,8 +20,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from helpers import GEMINI, SCRIPTS, env_with, free_port, kill_group, run, start
+
 from launcher import memory
 
 TRAIN = str(SCRIPTS / "train_ckpt.py")

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import GEMINI, SCRIPTS, env_with, run
 
 
@@ -68,8 +67,8 @@ def test_env_config_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["run", "--help"],
                                   ["template", "config"], []])
 def test_fast_paths_do_not_import_torch(args: list[str]) -> None:
-    code = ("import sys; from gemini_cli.main import main; rc = main(%r); "
-            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)" % (args,))
+    code = (f"import sys; from gemini_cli.main import main; rc = main({args!r}); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr

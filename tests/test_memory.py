@@ -10,7 +10,6 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch

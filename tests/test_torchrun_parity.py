@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from helpers import GEMINI, SCRIPTS, TORCHRUN, env_with, events, free_port, run, start
 
 # Values that differ between any two launches of the same command, even of torchrun itself.
