@@ -115,16 +115,17 @@ class RunConfig:
                 f"nproc_per_node={self.nproc_per_node!r}: expected a positive integer or one "
                 f"of {', '.join(_NPROC_NAMES)}", field="nproc_per_node"
             )
-        if self.node_rank < 0:
-            raise ConfigError(f"node_rank={self.node_rank}: must be >= 0", field="node_rank")
-        if self.max_restarts < 0:
-            raise ConfigError(f"max_restarts={self.max_restarts}: must be >= 0", field="max_restarts")
-        if self.monitor_interval <= 0:
-            raise ConfigError(f"monitor_interval={self.monitor_interval}: must be > 0", field="monitor_interval")
-        if self.master_port is not None and not 0 <= self.master_port < 65536:
-            raise ConfigError(f"master_port={self.master_port}: must be in 0..65535", field="master_port")
-        if self.shutdown_timeout is not None and self.shutdown_timeout < 0:
-            raise ConfigError(f"shutdown_timeout={self.shutdown_timeout}: must be >= 0", field="shutdown_timeout")
+        for name, ok, rule in (
+            ("node_rank", self.node_rank >= 0, ">= 0"),
+            ("max_restarts", self.max_restarts >= 0, ">= 0"),
+            ("monitor_interval", self.monitor_interval > 0, "> 0"),
+            ("master_port", self.master_port is None or 0 <= self.master_port < 65536,
+             "in 0..65535"),
+            ("shutdown_timeout", self.shutdown_timeout is None or self.shutdown_timeout >= 0,
+             ">= 0"),
+        ):
+            if not ok:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be {rule}", field=name)
         for name in ("redirects", "tee"):
             value = getattr(self, name)
             if not _STD_SPEC.match(value):
