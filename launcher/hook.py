@@ -26,11 +26,13 @@ import base64
 import json
 import logging
 import os
+import queue
 import random
 import socket
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,7 +153,8 @@ class Checkpointer:
         self._segments: list[memory.Segment | None] = [None, None]
         self._newest: int | None = None  # slot index holding the newest committed step
         self._seq = 0
-        self._thread: threading.Thread | None = None
+        self._worker: _Worker | None = None
+        self._pending: threading.Event | None = None
         self._error: BaseException | None = None
         self._conn: socket.socket | None = None
         self._stream: Any = None
@@ -207,16 +210,19 @@ class Checkpointer:
         if cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
-        self._thread = threading.Thread(target=self._copy_in_background, name="gemini-save",
-                                        args=(step, skeleton, tensors, event), daemon=True)
-        self._thread.start()
+        if self._worker is None:
+            self._worker = _Worker()
+        done = threading.Event()
+        self._pending = done
+        self._worker.submit(lambda: self._copy_in_background(step, skeleton, tensors, event),
+                            done)
 
     def wait(self) -> None:
         """Block until the last ``save`` is committed; re-raise its error, if any."""
-        thread = self._thread
-        if thread is not None:
-            thread.join()
-            self._thread = None
+        pending = self._pending
+        if pending is not None:
+            pending.wait()
+            self._pending = None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -367,7 +373,7 @@ class Checkpointer:
         memory.set_state(buf, memory.SlotState.WRITING)
         records = []
         for entry in entries:
-            digest = _copy_and_hash(buf, entry)
+            digest = self._copy_and_hash(buf, entry)
             records.append({"path": entry.path, "dtype": str(entry.tensor.dtype).split(".")[-1],
                             "shape": list(entry.tensor.shape), "offset": entry.offset,
                             "nbytes": entry.nbytes, "xxh3": f"{digest:016x}",
@@ -384,6 +390,10 @@ class Checkpointer:
         except (OSError, StorageError) as exc:
             logger.debug("could not notify the supervisor: %s", exc)
 
+    def _copy_and_hash(self, buf: Any, entry: _Entry) -> int:
+        assert self._worker is not None
+        return self._worker.copy_and_hash(buf, entry)
+
     def _plan(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[_Entry], int]:
         entries = []
         offset = 0
@@ -394,27 +404,65 @@ class Checkpointer:
         return entries, offset
 
 
-def _copy_and_hash(buf: Any, entry: _Entry) -> int:
-    """Copy one tensor into the slot and hash the copy, chunk by chunk while it is cached."""
-    if entry.nbytes == 0:
-        return xxhash.xxh3_64_intdigest(b"")
-    start = memory.HEADER_SIZE + entry.offset
-    dst = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=start)
-    src = entry.tensor.detach()
-    view = memoryview(buf)
-    try:
-        if not src.is_contiguous() or src.is_cuda:
-            dst.view(src.dtype).view(src.shape).copy_(src)
-            return memory.checksum(view[start:start + entry.nbytes])
-        flat = src.reshape(-1).view(torch.uint8)
-        hasher = xxhash.xxh3_64()
-        for lo in range(0, entry.nbytes, memory.HASH_CHUNK):
-            hi = min(lo + memory.HASH_CHUNK, entry.nbytes)
-            dst[lo:hi].copy_(flat[lo:hi])
-            hasher.update(view[start + lo:start + hi])
-        return hasher.intdigest()
-    finally:
-        view.release()
+class _Worker:
+    """A daemon thread that runs one job at a time (the background copy), plus a second
+    one that hashes chunk i while the first copies chunk i+1: both release the GIL."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = (
+            queue.SimpleQueue())
+        self._hash_jobs: queue.SimpleQueue[tuple[Any, memoryview]] = queue.SimpleQueue()
+        self._hashed: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for target, name in ((self._run, "gemini-save"), (self._hash, "gemini-hash")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def submit(self, job: Callable[[], None], done: threading.Event) -> None:
+        self._jobs.put((job, done))
+
+    def _run(self) -> None:
+        while True:
+            job, done = self._jobs.get()
+            try:
+                job()
+            finally:
+                done.set()
+
+    def _hash(self) -> None:
+        while True:
+            hasher, view = self._hash_jobs.get()
+            try:
+                hasher.update(view)
+            finally:
+                view.release()
+                self._hashed.put(None)
+
+    def copy_and_hash(self, buf: Any, entry: _Entry) -> int:
+        """Copy one tensor into the slot; return the xxh3 of the copied bytes."""
+        if entry.nbytes == 0:
+            return xxhash.xxh3_64_intdigest(b"")
+        start = memory.HEADER_SIZE + entry.offset
+        dst = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=start)
+        src = entry.tensor.detach()
+        view = memoryview(buf)
+        try:
+            if not src.is_contiguous() or src.is_cuda:
+                dst.view(src.dtype).view(src.shape).copy_(src)
+                return memory.checksum(view[start:start + entry.nbytes])
+            flat = src.reshape(-1).view(torch.uint8)
+            hasher = xxhash.xxh3_64()
+            in_flight = False
+            for lo in range(0, entry.nbytes, memory.HASH_CHUNK):
+                hi = min(lo + memory.HASH_CHUNK, entry.nbytes)
+                dst[lo:hi].copy_(flat[lo:hi])
+                if in_flight:
+                    self._hashed.get()
+                self._hash_jobs.put((hasher, view[start + lo:start + hi]))
+                in_flight = True
+            if in_flight:
+                self._hashed.get()
+            return hasher.intdigest()
+        finally:
+            view.release()
 
 
 def _slot_tensor(buf: Any, entry: dict[str, Any]) -> torch.Tensor:

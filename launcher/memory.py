@@ -42,7 +42,7 @@ MAGIC = b"GEMINIck"
 FORMAT_VERSION = 1
 HEADER_SIZE = 4096
 ALIGN = 64
-HASH_CHUNK = 1 << 20  # bytes hashed right after they are copied, while still in cache
+HASH_CHUNK = 4 << 20  # bytes copied per step of the copy/hash pipeline
 
 # magic, version, state, step, seq, rank, world_size, data_len, meta_offset, meta_len,
 # meta_hash, capacity, run_id (64 bytes, NUL padded)

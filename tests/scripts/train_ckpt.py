@@ -58,18 +58,18 @@ for spec in args.kill:
 copy_kill_steps = {k_step for k_rank, k_step, when, k_attempt in kills
                    if (k_rank, when, k_attempt) == (rank, "copy", attempt)}
 if copy_kill_steps:
-    real_copy = hook._copy_and_hash
+    real_copy = hook._Worker.copy_and_hash
     copied = []
 
-    def copy_then_die(buf, entry):
+    def copy_then_die(self, buf, entry):
         copied.append(entry.path)
         if len(copied) == 3:  # the third tensor of the snapshot of a doomed step
             os.kill(os.getpid(), signal.SIGKILL)
-        return real_copy(buf, entry)
+        return real_copy(self, buf, entry)
 
     def arm(step):
         copied.clear()
-        hook._copy_and_hash = copy_then_die if step in copy_kill_steps else real_copy
+        hook._Worker.copy_and_hash = copy_then_die if step in copy_kill_steps else real_copy
 
 
 for step in range(start, args.steps):
