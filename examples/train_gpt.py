@@ -233,9 +233,7 @@ def main() -> None:
     loss = float("nan")
     for step in range(start, args.steps):
         inputs, targets = get_batch(data, args.seed, step, rank, args.batch_size, args.seq_len)
-        rank_loss = train_step(
-            ddp_model, optimizer, scheduler, inputs.to(device), targets.to(device)
-        )
+        rank_loss = train_step(ddp_model, optimizer, scheduler, inputs.to(device), targets.to(device))
         loss = mean_across_ranks(rank_loss, world_size)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step} loss {loss:.4f}", flush=True)

@@ -60,6 +60,9 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--run-root", "--run_root"), "run_root",
      "Directory holding one directory per run (events, state).  "
      "[default: ~/.local/state/gemini/runs]"),
+    (("--standby/--no-standby",), "standby",
+     "Keep a standby interpreter per worker with torch imported, for fast restarts.  "
+     "[default: standby]"),
 )
 
 
@@ -69,6 +72,8 @@ def _options(command: Callable[..., Any]) -> Callable[..., Any]:
         if key in _FLAGS:
             command = click.option(*names, key, is_flag=True, default=False,
                                    help=help_text)(command)
+        elif "/" in names[0]:
+            command = click.option(*names, key, default=None, help=help_text)(command)
         else:
             command = click.option(*names, key, default=None, metavar="VALUE",
                                    help=help_text)(command)
@@ -115,5 +120,5 @@ def run_command(ctx: click.Context, /, config_file: str | None, script: str,
 def _flag(key: str) -> str:
     for names, name, _ in _TORCHRUN_OPTIONS + _GEMINI_OPTIONS:
         if name == key:
-            return names[-1] if names[0].startswith("-") and len(names[0]) == 2 else names[0]
+            return names[-1] if len(names[0]) == 2 else names[0].split("/")[0]
     return key

@@ -13,7 +13,6 @@ the stock agent. The agent keeps torch elastic's monitor/restart loop and adds:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from launcher.config import RunConfig
+from launcher.config import TORCHRUN_FIELDS, RunConfig
 from launcher.errors import Interrupted, StoreError, UsageError, WorkerFailedError
 from launcher.events import EventLog, run_directory
 
@@ -54,13 +53,16 @@ class SupervisorService(Protocol):
 
     Calls happen on the agent's thread: ``before_start`` once a round's ranks are known
     and before its workers start (``store`` is a key-value store shared by every host's
-    supervisor and private to this round), ``after_stop`` when the round's workers have
+    supervisor and private to this round), ``after_start`` once they run, ``after_stop``
+    when the round's workers have
     exited or been stopped, ``check`` on every monitor tick (raise a ``GeminiError`` to
     end the job), ``close`` once when the supervisor ends. Services may set ``GEMINI_*``
     variables in ``os.environ`` in ``before_start``: the workers inherit them.
     """
 
     def before_start(self, group: WorkerGroup, store: Store) -> None: ...
+
+    def after_start(self, group: WorkerGroup) -> None: ...
 
     def after_stop(self, group: WorkerGroup) -> None: ...
 
@@ -158,6 +160,8 @@ def _define_agent(base: type) -> type:
                 service.before_start(worker_group, self._round_store)
             self._reported_failure = False
             pids = super()._start_workers(worker_group)
+            for service in self._services:
+                service.after_start(worker_group)
             self._events.write(
                 "start",
                 round=self._round,
@@ -224,11 +228,9 @@ def _failure_record(rank: int, failure: Any) -> dict[str, Any]:
 def torchrun_argv(config: RunConfig, command: Command) -> list[str]:
     """The torchrun command line equivalent to ``config`` and ``command``."""
     argv: list[str] = []
-    for field in dataclasses.fields(RunConfig):
-        if field.name == "run_root":
-            continue
-        value = getattr(config, field.name)
-        flag = "--" + field.name.replace("_", "-")
+    for name in TORCHRUN_FIELDS:
+        value = getattr(config, name)
+        flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             if value:
                 argv.append(flag)
@@ -273,6 +275,7 @@ def launch(config: RunConfig, command: Command, *,
     from torch.distributed.launcher.api import _get_addr_and_port, _get_entrypoint_name
 
     from launcher.slots import MemoryService
+    from launcher.standby import StandbyService
 
     args = torchrun.parse_args(torchrun_argv(config, command))  # type: ignore[no-untyped-call]
     _apply_torchrun_defaults(args, torchrun.parse_min_max_nnodes)
@@ -323,6 +326,8 @@ def launch(config: RunConfig, command: Command, *,
         services.insert(0, MemoryService(run_id=launch_config.run_id, host_id=host_id,
                                          local_world_size=launch_config.nproc_per_node,
                                          events=events))
+        if config.standby:
+            services.append(StandbyService(launch_config.nproc_per_node))
         agent = make_agent(
             spec=spec,
             logs_specs=launch_config.logs_specs,

@@ -103,8 +103,11 @@ class RunConfig:
     """Give every worker LOCAL_RANK=0 and restrict its visible devices to one."""
 
     # --- gemini's own -------------------------------------------------------------------
-    run_root: str = "~/.local/state/gemini/runs"
+    run_root: str = dataclasses.field(default="~/.local/state/gemini/runs",
+                                      metadata={"gemini": True})
     """Directory under which each run gets a directory for its events and state."""
+    standby: bool = dataclasses.field(default=True, metadata={"gemini": True})
+    """Keep one interpreter per local rank with torch imported, so a restart skips start-up."""
 
     def __post_init__(self) -> None:
         _parse_nnodes(self.nnodes)
@@ -184,6 +187,9 @@ def _union_members(tp: Any) -> tuple[Any, ...]:
 
 
 FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(RunConfig))
+#: The fields that are torchrun's flags (the others are gemini's own).
+TORCHRUN_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in dataclasses.fields(RunConfig) if not f.metadata.get("gemini"))
 
 
 def closest_key(name: str) -> str:

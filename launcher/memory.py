@@ -127,12 +127,12 @@ def shm_free_bytes() -> int:
 class Segment:
     """A mapped shared-memory segment. ``close`` unmaps; only its owner unlinks it."""
 
-    def __init__(self, name: str, fd: int, size: int) -> None:
+    def __init__(self, name: str, fd: int, size: int, *, populate: bool = True) -> None:
         self.name = name
         self.size = size
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         try:
-            self.buf: mmap.mmap | None = mmap.mmap(
-                fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self.buf: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
         finally:
             os.close(fd)
 
@@ -171,13 +171,14 @@ def create_segment(name: str, size: int) -> Segment:
     return Segment(name, fd, size)
 
 
-def attach_segment(name: str) -> Segment:
-    """Map an existing segment read-write (no resource tracker involved)."""
+def attach_segment(name: str, *, populate: bool = True) -> Segment:
+    """Map an existing segment read-write (no resource tracker involved); ``populate``
+    maps every page up front, which a writer wants and a one-off reader does not."""
     try:
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
         raise StorageError(f"shared-memory segment {name} does not exist") from None
-    return Segment(name, fd, os.fstat(fd).st_size)
+    return Segment(name, fd, os.fstat(fd).st_size, populate=populate)
 
 
 def unlink_segment(name: str) -> None:
@@ -292,28 +293,35 @@ class SlotInfo:
         return None
 
 
-def inspect_slot(name: str, *, check: bool = True) -> SlotInfo:
-    """Read (and with ``check`` verify) one slot without modifying it."""
-    parsed = parse_slot_name(name)
+def describe(segment: Segment, *, check: bool = True) -> SlotInfo:
+    """Read (and with ``check`` verify) a mapped slot without modifying it."""
+    parsed = parse_slot_name(segment.name)
     rank, index = (parsed[1], parsed[2]) if parsed else (-1, -1)
+    header = read_header(segment.view)
+    meta: dict[str, Any] | None = None
+    error: str | None = None
+    if header is None:
+        error = "not a gemini slot"
+    elif header.state is SlotState.COMMITTED:
+        try:
+            meta = read_meta(segment.view, header)
+            if check:
+                verify(segment.view, header, meta)
+        except (CheckpointError, ValueError, KeyError) as exc:
+            error = str(exc)
+    return SlotInfo(segment.name, rank, index, segment.size, header, meta, error)
+
+
+def inspect_slot(name: str, *, check: bool = True) -> SlotInfo:
+    """Attach to the slot called ``name`` and :func:`describe` it."""
     try:
-        segment = attach_segment(name)
+        segment = attach_segment(name, populate=False)
     except StorageError as exc:
+        parsed = parse_slot_name(name)
+        rank, index = (parsed[1], parsed[2]) if parsed else (-1, -1)
         return SlotInfo(name, rank, index, 0, None, None, str(exc))
     try:
-        header = read_header(segment.view)
-        meta: dict[str, Any] | None = None
-        error: str | None = None
-        if header is None:
-            error = "not a gemini slot"
-        elif header.state is SlotState.COMMITTED:
-            try:
-                meta = read_meta(segment.view, header)
-                if check:
-                    verify(segment.view, header, meta)
-            except (CheckpointError, ValueError, KeyError) as exc:
-                error = str(exc)
-        return SlotInfo(name, rank, index, segment.size, header, meta, error)
+        return describe(segment, check=check)
     finally:
         segment.close()
 

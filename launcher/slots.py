@@ -178,7 +178,7 @@ class SlotOwner:
                 for segment in self._slots.get(rank, []):
                     if segment is None:
                         continue
-                    info = memory.inspect_slot(segment.name)
+                    info = memory.describe(segment)
                     header = info.header
                     if (info.valid_step is not None and header is not None
                             and header.run_id == self.run_id[:64]
@@ -299,6 +299,9 @@ class MemoryService:
         step = choose_step(holdings, world_size)
         os.environ[ENV_RESTORE_STEP] = str(-1 if step is None else step)
         self.events.write("restore_plan", step=step, local=mine)
+
+    def after_start(self, group: WorkerGroup) -> None:
+        pass
 
     def after_stop(self, group: WorkerGroup) -> None:
         pass

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import GEMINI, SCRIPTS, env_with, free_port, kill_group, run, start
+from helpers import GEMINI, SCRIPTS, env_with, events, free_port, kill_group, run, start
 
 from launcher import memory
 
@@ -109,9 +109,18 @@ def _wait_for(lines: list[str], pattern: str, timeout: float = 120) -> re.Match[
     raise AssertionError(f"no line matching {pattern!r}:\n{''.join(lines)[-3000:]}")
 
 
-def _workers(proc: subprocess.Popen[str]) -> list[psutil.Process]:
-    children = psutil.Process(proc.pid).children(recursive=True)
-    return [c for c in children if "train_ckpt.py" in " ".join(c.cmdline())]
+def _workers(run_root: Path) -> list[psutil.Process]:
+    """The running workers of the newest round, as the supervisor's events name them."""
+    starts = [e for e in events(run_root) if e["event"] == "start"]
+    if not starts:
+        return []
+    found = []
+    for worker in starts[-1]["workers"]:
+        try:
+            found.append(psutil.Process(worker["pid"]))
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def test_random_kills_of_running_workers(tmp_path: Path, reference: dict) -> None:
@@ -126,7 +135,7 @@ def test_random_kills_of_running_workers(tmp_path: Path, reference: dict) -> Non
         for attempt in range(3):
             _wait_for(lines, rf"resume rank=\d start=\d+ attempt={attempt}")
             time.sleep(rng.uniform(0.2, 1.0))
-            victims = _workers(proc)
+            victims = _workers(tmp_path / "runs")
             if not victims:
                 break
             rng.choice(victims).send_signal(signal.SIGKILL)

@@ -20,4 +20,5 @@ if rank == crash_rank and restart < crash_below:
     sys.exit(3)
 dist.barrier()
 print(f"ok rank={rank} restart={restart}", flush=True)
+del model  # DDP must go before its process group (pytorch/pytorch#56297)
 dist.destroy_process_group()

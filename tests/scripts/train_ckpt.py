@@ -103,4 +103,5 @@ if rank == 0 and args.out:
     torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "samples": extra["progress"]["samples"],
                 "rng": torch.get_rng_state()}, args.out)
 if distributed:
+    del model  # DDP must go before its process group (pytorch/pytorch#56297)
     dist.destroy_process_group()

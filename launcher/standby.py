@@ -1,0 +1,192 @@
+"""Standby workers: interpreters that have already imported torch, waiting to become workers.
+
+Restarting a worker costs a Python start and ``import torch`` (1.3-2.5 s here) before the
+script even begins; that is most of a recovery. The supervisor keeps one standby per
+local rank. When torch elastic starts a worker whose command is ``python -u SCRIPT ...``
+(or ``-m MODULE``) with output going to the console, the standby receives the worker's
+exact argv, environment and working directory on its stdin and runs the script in place
+with ``runpy``, as ``--run-path`` does. Anything else (``--no-python``, log-file
+redirects, NUMA wrappers, another interpreter) starts a fresh process as usual.
+
+A standby exits when its stdin closes, so it never outlives its supervisor.
+
+This module is also the standby's entry point: ``python -u -m launcher.standby``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class StandbyPool:
+    """Keeps ``size`` standby interpreters ready (thread-safe)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._idle: list[subprocess.Popen[bytes]] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def fill(self) -> None:
+        """Start standbys until ``size`` are idle (they import torch in the background)."""
+        with self._lock:
+            self._idle = [p for p in self._idle if p.poll() is None]
+            while not self._closed and len(self._idle) < self.size:
+                self._idle.append(subprocess.Popen(
+                    [sys.executable, "-u", "-m", "launcher.standby"], stdin=subprocess.PIPE,
+                    start_new_session=True))
+
+    def take(self) -> subprocess.Popen[bytes] | None:
+        """An idle, living standby, or None."""
+        with self._lock:
+            while self._idle:
+                proc = self._idle.pop(0)
+                if proc.poll() is None:
+                    return proc
+            return None
+
+    def close(self) -> None:
+        """Stop every idle standby (idempotent)."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for proc in idle:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            if proc.stdin is not None:
+                proc.stdin.close()
+
+
+class StandbyService:
+    """Supervisor service: refills the standby pool whenever a round of workers started."""
+
+    def __init__(self, local_world_size: int) -> None:
+        self.pool = StandbyPool(local_world_size)
+        self.enabled = install(self.pool)
+        if not self.enabled:
+            logger.info("standby workers unavailable with this torch version")
+
+    def before_start(self, group: Any, store: Any) -> None:
+        pass
+
+    def after_start(self, group: Any) -> None:
+        if self.enabled:
+            self.pool.fill()
+
+    def after_stop(self, group: Any) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def activate(proc: subprocess.Popen[bytes], argv: list[str], env: dict[str, str]) -> bool:
+    """Hand a worker's command to a standby; False if the standby is gone."""
+    job = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode() + b"\n"
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(job)
+        proc.stdin.close()
+    except (BrokenPipeError, OSError):
+        return False
+    return True
+
+
+def usable(args: tuple[Any, ...], stdout: object, stderr: object) -> bool:
+    """Whether a worker command can run in a standby."""
+    return (stdout is None and stderr is None and len(args) >= 3
+            and args[0] == sys.executable and args[1] == "-u")
+
+
+def install(pool: StandbyPool) -> bool:
+    """Make torch elastic start script workers in standbys from ``pool`` (this process only).
+
+    Returns False, changing nothing, when this torch version has no hook for it.
+    """
+    try:
+        from torch.distributed.elastic.multiprocessing import api
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+            SubprocessHandler,
+        )
+    except ImportError:
+        return False
+    if not hasattr(api, "get_subprocess_handler") or not hasattr(SubprocessHandler, "_popen"):
+        return False
+
+    class StandbyHandler(SubprocessHandler):
+        def _popen(self, args: tuple[Any, ...], env: dict[str, str]) -> Any:
+            if usable(args, self._stdout, self._stderr):
+                proc = pool.take()
+                if proc is not None and activate(proc, [str(a) for a in args[1:]], env):
+                    return proc
+            return super()._popen(args, env)
+
+    def get_subprocess_handler(**kwargs: Any) -> SubprocessHandler:
+        return StandbyHandler(**kwargs)
+
+    api.get_subprocess_handler = get_subprocess_handler
+    return True
+
+
+# -- the standby process -------------------------------------------------------------------
+
+def _run(job: dict[str, Any]) -> None:
+    import runpy
+
+    os.nice(-5) if os.geteuid() == 0 else None  # back to the priority of a worker
+    os.environ.clear()
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+    argv = [a for a in job["argv"] if a != "-u"]
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+#: Imported by a standby before it waits: torch, and what torch imports lazily on first use
+#: of an optimizer (torch._dynamo, ~0.8 s), DDP and the process groups.
+WARM_MODULES = ("torch", "torch._dynamo", "torch.optim", "torch.distributed",
+                "torch.nn.parallel", "launcher.hook")
+
+
+def main() -> None:
+    import importlib
+
+    os.nice(5)  # import while training runs, without slowing it much
+    for module in WARM_MODULES:
+        try:
+            importlib.import_module(module)
+        except Exception:  # a warm-up only: the worker will import what it needs itself
+            logger.debug("standby could not pre-import %s", module, exc_info=True)
+
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return  # the supervisor closed the pool
+    _run(json.loads(line))
+
+
+if __name__ == "__main__":
+    main()
