@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from launcher import Checkpointer
+
 # ---------------------------------------------------------------------------- data
 
 SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "a small bird", "the teacher"]
@@ -228,8 +230,13 @@ def main() -> None:
     ddp_model: nn.Module = DistributedDataParallel(model) if world_size > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
-    start = 0
-    # checkpoint hook goes here
+    # gemini's hook: model, optimizer, scheduler and RNG states in memory every step.
+    ckpt = Checkpointer(model=model, optimizer=optimizer, extra={"scheduler": scheduler})
+    start = ckpt.restore()
+    if rank == 0 and start > 0:
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        print(f"resumed at step {start} from the in-memory checkpoint (restart {restarts})",
+              flush=True)
     loss = float("nan")
     for step in range(start, args.steps):
         inputs, targets = get_batch(data, args.seed, step, rank, args.batch_size, args.seq_len)
@@ -237,9 +244,10 @@ def main() -> None:
         loss = mean_across_ranks(rank_loss, world_size)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step} loss {loss:.4f}", flush=True)
-        # checkpoint hook goes here
+        ckpt.save(step)  # returns at once; the copy finishes in the background
         if args.sleep > 0:
             time.sleep(args.sleep)
+    ckpt.close()
     if rank == 0:
         print(f"done steps={args.steps} final_loss={loss:.4f}", flush=True)
         if args.save_weights:
