@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from launcher.config import TORCHRUN_FIELDS, RunConfig
-from launcher.errors import Interrupted, StoreError, UsageError, WorkerFailedError
+from launcher.errors import ConfigError, Interrupted, StoreError, UsageError, WorkerFailedError
 from launcher.events import EventLog, run_directory
 
 if TYPE_CHECKING:
@@ -264,17 +264,15 @@ def launch(config: RunConfig, command: Command, *,
     import torch.distributed.run as torchrun
     from torch.distributed import DistError
     from torch.distributed.elastic import events as torch_events
-    from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import (
         ChildFailedError,
         get_error_handler,
     )
-    from torch.distributed.elastic.rendezvous import RendezvousError, RendezvousParameters
-    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-    from torch.distributed.launcher.api import _get_addr_and_port, _get_entrypoint_name
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.launcher.api import _get_entrypoint_name
 
-    from launcher.slots import MemoryService
+    from launcher.slots import MemoryService, SlotOwner
     from launcher.standby import StandbyService
 
     args = torchrun.parse_args(torchrun_argv(config, command))  # type: ignore[no-untyped-call]
@@ -283,51 +281,36 @@ def launch(config: RunConfig, command: Command, *,
     if not launch_config.run_id:
         launch_config.run_id = str(uuid.uuid4().int)
 
+    try:
+        spec = _worker_spec(launch_config, entrypoint, tuple(entry_args))
+    except (RendezvousError, DistError) as exc:
+        raise StoreError(f"rendezvous failed: {type(exc).__name__}: {exc}") from None
+    except ValueError as exc:
+        raise ConfigError(f"invalid rendezvous settings: {exc}") from None
+
     run_dir = run_directory(config.run_root, launch_config.run_id)
-    host_id = os.environ.get(ENV_HOST_ID) or socket.gethostname()
-    events = EventLog(run_dir, host=host_id)
+    owner = SlotOwner(run_id=launch_config.run_id,
+                      host_id=os.environ.get(ENV_HOST_ID) or socket.gethostname(),
+                      local_world_size=launch_config.nproc_per_node,
+                      fixed_host_id=ENV_HOST_ID in os.environ)
+    try:
+        events = EventLog(run_dir, host=owner.host_id)
+    except OSError as exc:
+        owner.close()
+        raise ConfigError(f"cannot write the run directory {run_dir}: {exc.strerror}") from None
+    services: list[SupervisorService] = [MemoryService(owner, events)]
+    if config.standby:
+        services.append(StandbyService(launch_config.nproc_per_node))
+    services += extra_services
     os.environ[ENV_RUN_DIR] = str(run_dir)
-    os.environ[ENV_HOST_ID] = host_id
+    os.environ[ENV_HOST_ID] = owner.host_id
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = launch_config.signals_to_handle
 
-    rdzv_parameters = RendezvousParameters(
-        backend=launch_config.rdzv_backend,
-        endpoint=launch_config.rdzv_endpoint,
-        run_id=launch_config.run_id,
-        min_nodes=launch_config.min_nodes,
-        max_nodes=launch_config.max_nodes,
-        local_addr=launch_config.local_addr,
-        **launch_config.rdzv_configs,
-    )
-    master_addr, master_port = _get_addr_and_port(rdzv_parameters)
-    spec = WorkerSpec(
-        role=launch_config.role,
-        local_world_size=launch_config.nproc_per_node,
-        entrypoint=entrypoint,
-        args=tuple(entry_args),
-        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
-        max_restarts=launch_config.max_restarts,
-        monitor_interval=launch_config.monitor_interval,
-        master_addr=master_addr,
-        master_port=master_port,
-        local_addr=launch_config.local_addr,
-        event_log_handler=launch_config.event_log_handler,
-        numa_options=launch_config.numa_options,
-        duplicate_stdout_filters=launch_config.duplicate_stdout_filters,
-        duplicate_stderr_filters=launch_config.duplicate_stderr_filters,
-        virtual_local_rank=launch_config.virtual_local_rank,
-    )
-    services: list[SupervisorService] = list(extra_services)
     error_handler = get_error_handler()
     error_handler.initialize()
     shutdown_rdzv = True
     outcome = "failed"
     try:
-        services.insert(0, MemoryService(run_id=launch_config.run_id, host_id=host_id,
-                                         local_world_size=launch_config.nproc_per_node,
-                                         events=events))
-        if config.standby:
-            services.append(StandbyService(launch_config.nproc_per_node))
         agent = make_agent(
             spec=spec,
             logs_specs=launch_config.logs_specs,
@@ -368,6 +351,42 @@ def launch(config: RunConfig, command: Command, *,
             service.close()
         events.write("exit", outcome=outcome)
         events.close()
+
+
+def _worker_spec(launch_config: Any, entrypoint: Any, entry_args: tuple[Any, ...]) -> Any:
+    """torch elastic's WorkerSpec for this host, as ``torch.distributed.launcher`` builds it."""
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.launcher.api import _get_addr_and_port
+
+    rdzv_parameters = RendezvousParameters(
+        backend=launch_config.rdzv_backend,
+        endpoint=launch_config.rdzv_endpoint,
+        run_id=launch_config.run_id,
+        min_nodes=launch_config.min_nodes,
+        max_nodes=launch_config.max_nodes,
+        local_addr=launch_config.local_addr,
+        **launch_config.rdzv_configs,
+    )
+    master_addr, master_port = _get_addr_and_port(rdzv_parameters)
+    return WorkerSpec(
+        role=launch_config.role,
+        local_world_size=launch_config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=entry_args,
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+        max_restarts=launch_config.max_restarts,
+        monitor_interval=launch_config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=launch_config.local_addr,
+        event_log_handler=launch_config.event_log_handler,
+        numa_options=launch_config.numa_options,
+        duplicate_stdout_filters=launch_config.duplicate_stdout_filters,
+        duplicate_stderr_filters=launch_config.duplicate_stderr_filters,
+        virtual_local_rank=launch_config.virtual_local_rank,
+    )
 
 
 def _apply_torchrun_defaults(args: Any, parse_min_max_nnodes: Any) -> None:

@@ -58,30 +58,44 @@ def read_owner(prefix: str) -> dict[str, Any] | None:
 class SlotOwner:
     """Owns the slot segments of one run on one host (thread-safe)."""
 
-    def __init__(self, *, run_id: str, host_id: str, local_world_size: int) -> None:
+    def __init__(self, *, run_id: str, host_id: str, local_world_size: int,
+                 fixed_host_id: bool = True) -> None:
+        """Claim the slots of ``run_id`` on ``host_id``. Another live supervisor of the run
+        on the same id is an error when ``fixed_host_id``; otherwise (several supervisors
+        of one run on one machine, as in a one-machine test) this one takes the first free
+        id among ``host_id``, ``host_id-1``, ``host_id-2``, ... (see :attr:`host_id`)."""
         self.run_id = run_id
-        self.prefix = memory.segment_prefix(run_id, host_id)
         self.local_world_size = local_world_size
+        self._fixed = fixed_host_id
         self._lock = threading.Lock()
         self._slots: dict[int, list[memory.Segment | None]] = {}
-        self._claim()
+        for n in range(1 if fixed_host_id else 1024):
+            self.host_id = host_id if n == 0 else f"{host_id}-{n}"
+            self.prefix = memory.segment_prefix(run_id, self.host_id)
+            if self._claim():
+                break
+        else:
+            raise StorageError(f"no free host id for run {run_id} on this machine")
 
     # -- ownership ------------------------------------------------------------------------
-    def _claim(self) -> None:
-        """Write the owner file; adopt segments of a dead previous owner of this run."""
+    def _claim(self) -> bool:
+        """Take ownership of :attr:`prefix` (adopting a dead owner's segments); False if a
+        live supervisor holds it and another id may be tried."""
+        path = memory.SHM_DIR / owner_name(self.prefix)
         previous = read_owner(self.prefix)
         if previous is not None and previous.get("pid") != os.getpid() and owner_alive(previous):
-            raise StorageError(
-                f"run {self.run_id} already has a live supervisor on this host "
-                f"(pid {previous['pid']}); stop it or use another --rdzv-id")
+            return self._busy(previous)
+        if previous is not None or path.exists():
+            path.unlink(missing_ok=True)  # a dead owner's claim
         me = psutil.Process()
         record = {"pid": me.pid, "started": me.create_time(), "run_id": self.run_id,
-                  "host": self.prefix}
-        path = memory.SHM_DIR / owner_name(self.prefix)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.chmod(0o600)
-        os.replace(tmp, path)
+                  "host": self.host_id}
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:  # another supervisor claimed it a moment ago
+            return False
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(record))
         adopted = 0
         for name in memory.list_segments(self.prefix):
             parsed = memory.parse_slot_name(name)
@@ -95,6 +109,14 @@ class SlotOwner:
                 continue
         if adopted:
             logger.info("adopted %d shared-memory slots of run %s", adopted, self.run_id)
+        return True
+
+    def _busy(self, owner: dict[str, Any]) -> bool:
+        if self._fixed:
+            raise StorageError(
+                f"run {self.run_id} already has a live supervisor with host id {self.host_id} "
+                f"(pid {owner['pid']}); give this one another GEMINI_HOST_ID or --rdzv-id")
+        return False
 
     def close(self) -> None:
         """Unmap and unlink every slot and the owner file (idempotent)."""
@@ -278,11 +300,9 @@ class MemoryService:
     its workers through ``GEMINI_RESTORE_STEP``.
     """
 
-    def __init__(self, *, run_id: str, host_id: str, local_world_size: int,
-                 events: EventLog) -> None:
-        self.owner = SlotOwner(run_id=run_id, host_id=host_id,
-                               local_world_size=local_world_size)
-        self.server = SlotServer(self.owner)
+    def __init__(self, owner: SlotOwner, events: EventLog) -> None:
+        self.owner = owner
+        self.server = SlotServer(owner)
         self.events = events
         os.environ[ENV_SOCKET] = self.server.env_address
         os.environ[ENV_PREFIX] = self.owner.prefix
