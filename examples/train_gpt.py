@@ -157,6 +157,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-weights", metavar="PATH", help="rank 0 saves the final weights")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--no-checkpoint", action="store_true",
+                        help="do not save to gemini's in-memory tier (for overhead baselines)")
     return parser.parse_args()
 
 
@@ -238,18 +240,24 @@ def main() -> None:
         print(f"resumed at step {start} from the in-memory checkpoint (restart {restarts})",
               flush=True)
     loss = float("nan")
+    step_times = []
     for step in range(start, args.steps):
+        began = time.perf_counter()
         inputs, targets = get_batch(data, args.seed, step, rank, args.batch_size, args.seq_len)
         rank_loss = train_step(ddp_model, optimizer, scheduler, inputs.to(device), targets.to(device))
         loss = mean_across_ranks(rank_loss, world_size)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step} loss {loss:.4f}", flush=True)
-        ckpt.save(step)  # returns at once; the copy finishes in the background
+        if not args.no_checkpoint:
+            ckpt.save(step)  # returns at once; the copy finishes in the background
+        step_times.append(time.perf_counter() - began)
         if args.sleep > 0:
             time.sleep(args.sleep)
     ckpt.close()
     if rank == 0:
-        print(f"done steps={args.steps} final_loss={loss:.4f}", flush=True)
+        median_ms = 1e3 * sorted(step_times)[len(step_times) // 2] if step_times else 0.0
+        print(f"done steps={args.steps} final_loss={loss:.4f} median_step_ms={median_ms:.2f}",
+              flush=True)
         if args.save_weights:
             torch.save(model.state_dict(), args.save_weights)
     # Free DDP before the group: if DDP's reducer drops the last reference to a gloo

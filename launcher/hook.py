@@ -62,15 +62,22 @@ class _Entry:
 
 # -- state tree <-> JSON skeleton + tensors ---------------------------------------------
 
+_SCALARS = frozenset({type(None), bool, int, float, str})
+
+
 def _flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
     """JSON-able skeleton of ``obj``; tensors are replaced by their index in ``tensors``."""
+    kind = type(obj)
+    if kind in _SCALARS:
+        return obj
     if isinstance(obj, torch.Tensor):
         tensors.append((path, obj))
         return {"__tensor__": len(tensors) - 1}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
     if isinstance(obj, (tuple, list)):
-        items = [_flatten(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+        if all(type(v) in _SCALARS for v in obj):  # e.g. param ids: no recursion
+            items = list(obj)
+        else:
+            items = [_flatten(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
     if isinstance(obj, dict):
         if all(isinstance(k, str) and not k.startswith("__") for k in obj):
@@ -104,7 +111,9 @@ def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {"python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
+                             "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     numpy = sys.modules.get("numpy")
@@ -116,7 +125,7 @@ def _rng_state() -> dict[str, Any]:
 
 def _set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    random.setstate((version, tuple(internal.tolist()), gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -158,7 +167,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._conn: socket.socket | None = None
         self._stream: Any = None
-        self._layout: tuple[tuple[tuple[str, str, tuple[int, ...]], ...], int] | None = None
+        self._layouts: list[_Layout | None] = [None, None]
         self._closed = False
         if not self.active:
             _warn_inactive()
@@ -179,7 +188,9 @@ class Checkpointer:
             # Fail before training, not at the first save, if /dev/shm is too small.
             tensors: list[tuple[str, torch.Tensor]] = []
             _flatten(self._capture(), "", tensors)
-            nbytes = memory.slot_size(self._plan(tensors)[1], 0)
+            data = sum((_tensor_bytes(t) + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
+                       for _, t in tensors)
+            nbytes = memory.slot_size(data, 0)
             self._request({"op": "check", "rank": self.rank, "nbytes": nbytes})
         if step < 0:
             self._discard_newer_than(-1)
@@ -365,43 +376,95 @@ class Checkpointer:
             self._error = exc
 
     def _write(self, step: int, skeleton: Any, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        entries, data_len = self._plan(tensors)
-        meta_estimate = len(json.dumps(skeleton)) + sum(len(e.path) + 200 for e in entries)
         index = 0 if self._newest is None else 1 - self._newest
-        segment = self._slot_for(index, memory.slot_size(data_len, meta_estimate))
-        buf = segment.view
+        layout = self._layout_for(index, tensors, skeleton)
+        buf = layout.segment.view
         memory.set_state(buf, memory.SlotState.WRITING)
-        records = []
-        for entry in entries:
-            digest = self._copy_and_hash(buf, entry)
-            records.append({"path": entry.path, "dtype": str(entry.tensor.dtype).split(".")[-1],
-                            "shape": list(entry.tensor.shape), "offset": entry.offset,
-                            "nbytes": entry.nbytes, "xxh3": f"{digest:016x}",
-                            "device": str(entry.tensor.device)})
-        meta = json.dumps({"tree": skeleton, "tensors": records, "step": step},
-                          separators=(",", ":")).encode()
+        assert self._worker is not None
+        block_digest, digests = self._worker.copy_all(buf, layout, [t for _, t in tensors])
+        records = ",".join([*layout.small_records, *(
+            head + f'"{digest:016x}"' + tail
+            for (head, tail), digest in zip(layout.records, digests, strict=True))])
+        block = {"offset": layout.block[0], "nbytes": layout.block[1] - layout.block[0],
+                 "xxh3": f"{block_digest:016x}"}
+        meta = (f'{{"step":{step},"tensors":[{records}],"blocks":[{json.dumps(block)}],"tree":'
+                + json.dumps(skeleton, separators=(",", ":")) + "}").encode()
         self._seq += 1
         memory.write_commit(buf, step=step, seq=self._seq, rank=self.rank,
                             world_size=self.world_size, run_id=self.run_id,
-                            data_len=data_len, meta=meta)
+                            data_len=layout.data_len, meta=meta)
         self._newest = index
+        self._notify({"op": "committed", "rank": self.rank, "step": step})
+
+    def _layout_for(self, index: int, tensors: list[tuple[str, torch.Tensor]],
+                    skeleton: Any) -> _Layout:
+        """Where each tensor goes in slot ``index``; reused while the state keeps its shape."""
+        signature = tuple((path, t.dtype, t.shape, t.device) for path, t in tensors)
+        cached = self._layouts[index]
+        if cached is not None and cached.signature == signature and (
+            cached.segment is self._segments[index]
+        ):
+            return cached
+        self._layouts[index] = None
+        offsets, sizes, small, offset = [], [], [], 0
+        for _, tensor in tensors:
+            nbytes = _tensor_bytes(tensor)
+            offsets.append(offset)
+            sizes.append(nbytes)
+            small.append(0 < nbytes <= memory.HASH_CHUNK and tensor.is_contiguous()
+                         and not tensor.is_cuda)
+            offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
+        meta_estimate = len(json.dumps(skeleton)) + sum(len(p) + 200 for p, _ in tensors)
+        segment = self._slot_for(index, memory.slot_size(offset, meta_estimate))
+        buf = segment.view
+        small_at = [o for o, is_small in zip(offsets, small, strict=True) if is_small]
+        small_end = max((o + n for o, n, f in zip(offsets, sizes, small, strict=True) if f),
+                        default=0)
+        layout = _Layout(
+            signature=signature, segment=segment, data_len=offset, offsets=offsets,
+            nbytes=sizes, small=small, records=[], small_records=[],
+            dsts=[torch.frombuffer(buf, dtype=torch.uint8, count=n,
+                                   offset=memory.HEADER_SIZE + o)
+                  for o, n, f in zip(offsets, sizes, small, strict=True) if f],
+            block=(min(small_at, default=0), small_end))
+        for (path, tensor), start, is_small in zip(tensors, offsets, small, strict=True):
+            record = json.dumps({"path": path, "dtype": str(tensor.dtype).split(".")[-1],
+                                 "shape": list(tensor.shape), "offset": start,
+                                 "nbytes": _tensor_bytes(tensor), "device": str(tensor.device),
+                                 "xxh3": None if is_small else "@"}, separators=(",", ":"))
+            if is_small:
+                layout.small_records.append(record)
+            else:
+                head, tail = record.split('"@"')
+                layout.records.append((head, tail))
+        self._layouts[index] = layout
+        return layout
+
+    def _notify(self, message: dict[str, Any]) -> None:
+        """Tell the supervisor something without waiting for an answer (best effort)."""
         try:
-            self._request({"op": "committed", "rank": self.rank, "step": step})
+            if self._conn is None:
+                self._request({"op": "hello", "rank": self.rank})
+            assert self._conn is not None
+            self._conn.sendall((json.dumps(message) + "\n").encode())
         except (OSError, StorageError) as exc:
             logger.debug("could not notify the supervisor: %s", exc)
 
-    def _copy_and_hash(self, buf: Any, entry: _Entry) -> int:
-        assert self._worker is not None
-        return self._worker.copy_and_hash(buf, entry)
 
-    def _plan(self, tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[_Entry], int]:
-        entries = []
-        offset = 0
-        for path, tensor in tensors:
-            nbytes = _tensor_bytes(tensor)
-            entries.append(_Entry(path, tensor, offset, nbytes))
-            offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
-        return entries, offset
+@dataclass
+class _Layout:
+    """The placement of one state's tensors in one slot (see ``Checkpointer._layout_for``)."""
+
+    signature: tuple[Any, ...]
+    segment: memory.Segment
+    data_len: int
+    offsets: list[int]
+    nbytes: list[int]
+    small: list[bool]  # copied in one batch, checked by the block checksum
+    records: list[tuple[str, str]]  # each large tensor's metadata JSON around its checksum
+    small_records: list[str]
+    dsts: list[torch.Tensor]  # the small tensors' destinations in the slot
+    block: tuple[int, int]  # byte range of the slot's data covering every small tensor
 
 
 class _Worker:
@@ -435,6 +498,30 @@ class _Worker:
             finally:
                 view.release()
                 self._hashed.put(None)
+
+    def copy_all(self, buf: Any, layout: _Layout,
+                 tensors: list[torch.Tensor]) -> tuple[int, list[int]]:
+        """Copy every tensor to its place in the slot; return the checksum of the block of
+        small tensors and the checksums of the large ones.
+
+        Small CPU tensors go in one ``torch._foreach_copy_`` call and share one checksum;
+        large ones are copied in chunks while the hash thread hashes the previous chunk.
+        """
+        srcs = [t.detach().reshape(-1).view(torch.uint8)
+                for t, small in zip(tensors, layout.small, strict=True) if small]
+        if srcs:
+            torch._foreach_copy_(layout.dsts, srcs)
+        low, high = layout.block
+        view = memoryview(buf)
+        try:
+            block = memory.checksum(view[memory.HEADER_SIZE + low:memory.HEADER_SIZE + high])
+        finally:
+            view.release()
+        digests = [self.copy_and_hash(buf, _Entry("", tensor, start, nbytes))
+                   for tensor, start, nbytes, small in zip(
+                       tensors, layout.offsets, layout.nbytes, layout.small, strict=True)
+                   if not small]
+        return block, digests
 
     def copy_and_hash(self, buf: Any, entry: _Entry) -> int:
         """Copy one tensor into the slot; return the xxh3 of the copied bytes."""

@@ -10,7 +10,8 @@ does not hold the newest committed step. A slot's layout::
 
     [0, 4096)                      header (fixed binary layout, see ``_HEADER``)
     [4096, 4096 + data_len)        tensor bytes, each tensor aligned to 64 bytes
-    [meta_offset, + meta_len)      metadata: UTF-8 JSON (tree, per-tensor offset, size, xxh3)
+    [meta_offset, + meta_len)      metadata: UTF-8 JSON (tree, per-tensor offset and size,
+                                   xxh3 of each large tensor and of the block of small ones)
 
 The header's ``state`` field is the commit point: it is set to WRITING before any byte of
 a new step is written and to COMMITTED only after every byte, checksum and the metadata
@@ -260,12 +261,22 @@ def verify(buf: mmap.mmap, header: SlotHeader, meta: dict[str, Any]) -> None:
     limit = HEADER_SIZE + header.data_len
     view = memoryview(buf)
     try:
+        block_end = 0
+        for block in meta.get("blocks", []):
+            start = HEADER_SIZE + int(block["offset"])
+            end = start + int(block["nbytes"])
+            block_end = max(block_end, end)
+            if end > limit or checksum(view[start:end]) != int(block["xxh3"], 16):
+                raise CheckpointError("checksum mismatch in the block of small tensors")
         for entry in meta["tensors"]:
             start = HEADER_SIZE + int(entry["offset"])
             end = start + int(entry["nbytes"])
             if end > limit:
                 raise CheckpointError(f"tensor {entry['path']} out of bounds")
-            if checksum(view[start:end]) != int(entry["xxh3"], 16):
+            if entry["xxh3"] is None:
+                if end > block_end:
+                    raise CheckpointError(f"tensor {entry['path']} has no checksum")
+            elif checksum(view[start:end]) != int(entry["xxh3"], 16):
                 raise CheckpointError(f"checksum mismatch in tensor {entry['path']}")
     finally:
         view.release()

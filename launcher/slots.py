@@ -216,8 +216,9 @@ class SlotServer:
     """Serves worker requests on an abstract Unix socket, one thread per connection.
 
     Requests and replies are single JSON lines: ``{"op": "alloc", "rank": R, "nbytes": N}``
-    -> ``{"ok": true, "slots": [name0, name1]}``; ``{"op": "committed", "rank": R,
-    "step": S}`` -> ``{"ok": true}``. An allocation that /dev/shm cannot hold is fatal for
+    -> ``{"ok": true, "slots": [name0, name1]}``; ``{"op": "check", ...}`` (can /dev/shm
+    hold slots of N bytes?) and ``{"op": "hello", ...}`` -> ``{"ok": true}``; the
+    notification ``{"op": "committed", "rank": R, "step": S}`` gets no answer. An allocation that /dev/shm cannot hold is fatal for
     the run: it is kept in :attr:`fatal` for the supervisor to stop the job.
     """
 
@@ -253,6 +254,8 @@ class SlotServer:
             for line in stream:
                 try:
                     reply = self._handle(json.loads(line))
+                    if reply is None:
+                        continue  # a notification: no answer expected
                 except StorageError as exc:
                     self.fatal = self.fatal or exc
                     reply = {"ok": False, "error": str(exc), "fatal": True}
@@ -261,7 +264,7 @@ class SlotServer:
                 stream.write((json.dumps(reply) + "\n").encode())
                 stream.flush()
 
-    def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
+    def _handle(self, request: dict[str, Any]) -> dict[str, Any] | None:
         op = request["op"]
         rank = int(request["rank"])
         if op == "alloc":
@@ -274,6 +277,8 @@ class SlotServer:
             return {"ok": True}
         if op == "committed":
             self.committed[rank] = int(request["step"])
+            return None
+        if op == "hello":
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}")
 
