@@ -382,9 +382,10 @@ class Checkpointer:
         memory.set_state(buf, memory.SlotState.WRITING)
         assert self._worker is not None
         block_digest, digests = self._worker.copy_all(buf, layout, [t for _, t in tensors])
-        records = ",".join([*layout.small_records, *(
-            head + f'"{digest:016x}"' + tail
-            for (head, tail), digest in zip(layout.records, digests, strict=True))])
+        big = iter(digests)
+        records = ",".join(record if isinstance(record, str)
+                           else record[0] + f'"{next(big):016x}"' + record[1]
+                           for record in layout.records)
         block = {"offset": layout.block[0], "nbytes": layout.block[1] - layout.block[0],
                  "xxh3": f"{block_digest:016x}"}
         meta = (f'{{"step":{step},"tensors":[{records}],"blocks":[{json.dumps(block)}],"tree":'
@@ -406,14 +407,16 @@ class Checkpointer:
         ):
             return cached
         self._layouts[index] = None
-        offsets, sizes, small, offset = [], [], [], 0
-        for _, tensor in tensors:
-            nbytes = _tensor_bytes(tensor)
-            offsets.append(offset)
-            sizes.append(nbytes)
-            small.append(0 < nbytes <= memory.HASH_CHUNK and tensor.is_contiguous()
-                         and not tensor.is_cuda)
-            offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
+        sizes = [_tensor_bytes(t) for _, t in tensors]
+        small = [0 < n <= memory.HASH_CHUNK and t.is_contiguous() and not t.is_cuda
+                 for n, (_, t) in zip(sizes, tensors, strict=True)]
+        # Small tensors first, back to back: one checksum covers exactly them.
+        offsets, offset = [0] * len(tensors), 0
+        for first_pass in (True, False):
+            for i, nbytes in enumerate(sizes):
+                if small[i] == first_pass:
+                    offsets[i] = offset
+                    offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
         meta_estimate = len(json.dumps(skeleton)) + sum(len(p) + 200 for p, _ in tensors)
         segment = self._slot_for(index, memory.slot_size(offset, meta_estimate))
         buf = segment.view
@@ -422,7 +425,7 @@ class Checkpointer:
                         default=0)
         layout = _Layout(
             signature=signature, segment=segment, data_len=offset, offsets=offsets,
-            nbytes=sizes, small=small, records=[], small_records=[],
+            nbytes=sizes, small=small, records=[],
             dsts=[torch.frombuffer(buf, dtype=torch.uint8, count=n,
                                    offset=memory.HEADER_SIZE + o)
                   for o, n, f in zip(offsets, sizes, small, strict=True) if f],
@@ -433,7 +436,7 @@ class Checkpointer:
                                  "nbytes": _tensor_bytes(tensor), "device": str(tensor.device),
                                  "xxh3": None if is_small else "@"}, separators=(",", ":"))
             if is_small:
-                layout.small_records.append(record)
+                layout.records.append(record)
             else:
                 head, tail = record.split('"@"')
                 layout.records.append((head, tail))
@@ -461,8 +464,9 @@ class _Layout:
     offsets: list[int]
     nbytes: list[int]
     small: list[bool]  # copied in one batch, checked by the block checksum
-    records: list[tuple[str, str]]  # each large tensor's metadata JSON around its checksum
-    small_records: list[str]
+    # Each tensor's metadata JSON, in the tree's order: complete for a small tensor, split
+    # around the checksum for a large one.
+    records: list[str | tuple[str, str]]
     dsts: list[torch.Tensor]  # the small tensors' destinations in the slot
     block: tuple[int, int]  # byte range of the slot's data covering every small tensor
 

@@ -218,8 +218,9 @@ class SlotServer:
     Requests and replies are single JSON lines: ``{"op": "alloc", "rank": R, "nbytes": N}``
     -> ``{"ok": true, "slots": [name0, name1]}``; ``{"op": "check", ...}`` (can /dev/shm
     hold slots of N bytes?) and ``{"op": "hello", ...}`` -> ``{"ok": true}``; the
-    notification ``{"op": "committed", "rank": R, "step": S}`` gets no answer. An allocation that /dev/shm cannot hold is fatal for
-    the run: it is kept in :attr:`fatal` for the supervisor to stop the job.
+    notification ``{"op": "committed", "rank": R, "step": S}`` gets no answer. An
+    allocation that /dev/shm cannot hold is fatal for the run: it is kept in
+    :attr:`fatal` for the supervisor to stop the job.
     """
 
     def __init__(self, owner: SlotOwner) -> None:

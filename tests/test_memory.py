@@ -208,3 +208,22 @@ def test_adoption_and_clean_of_dead_owner(run_id: str) -> None:
     removed = clean()
     assert sorted(removed[prefix]) == sorted(n for n in left if not n.endswith("owner"))
     assert memory.list_segments(prefix) == []
+
+
+def test_large_tensors_take_the_pipelined_path(supervisor: SlotServer,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    big = torch.nn.Linear(1100, 1100)  # 4.6 MiB of weights: copied in chunks, hashed aside
+    assert big.weight.numel() * 4 > memory.HASH_CHUNK
+    ckpt = hook.Checkpointer(model=big)
+    ckpt.restore()
+    ckpt.save(0)
+    ckpt.close()
+    info = [memory.inspect_slot(n) for n in memory.list_segments(supervisor.owner.prefix + "r")]
+    committed = [i for i in info if i.valid_step == 0]
+    assert committed and committed[0].meta is not None
+    large = [t for t in committed[0].meta["tensors"] if t["xxh3"] is not None]
+    assert [t["path"] for t in large] == ["/model/weight"]
+    restored = torch.nn.Linear(1100, 1100)
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "0")
+    hook.Checkpointer(model=restored).restore()
+    assert torch.equal(restored.weight, big.weight) and torch.equal(restored.bias, big.bias)

@@ -86,7 +86,7 @@ def test_always_crashing_worker_fails_like_torchrun(tmp_path: Path) -> None:
     assert "Traceback" not in ours.stderr.split("Root Cause")[-1]
     exits = [e for e in events(tmp_path / "runs") if e["event"] == "worker_exit"]
     assert len(exits) == 3
-    assert all(any(f["rank"] == 1 and f["exitcode"] == 3 for f in e["failures"]) for e in exits)
+    assert all(any(f["rank"] == 1 and f["exitcode"] == 3 for f in e["failures"]) for e in exits), exits
 
 
 def test_two_nodes_restart_across_hosts(tmp_path: Path) -> None:

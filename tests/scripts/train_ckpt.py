@@ -2,7 +2,7 @@
 
 Fault injection for tests (deterministic, only on the attempt given):
   --kill RANK:STEP:WHEN[:ATTEMPT]   SIGKILL rank RANK at step STEP, WHEN is
-      "copy"  inside the background snapshot copy of STEP, after some tensors are written
+      "copy"  inside the background snapshot copy of STEP: bytes written, not committed
       "step"  between steps, after the snapshot of STEP is committed
       "flip"  like "step", but first flip one bit of that committed snapshot in memory
 Prints "resume rank=R start=S attempt=A" and, on rank 0, "step S loss L".
@@ -58,18 +58,17 @@ for spec in args.kill:
 copy_kill_steps = {k_step for k_rank, k_step, when, k_attempt in kills
                    if (k_rank, when, k_attempt) == (rank, "copy", attempt)}
 if copy_kill_steps:
-    real_copy = hook._Worker.copy_and_hash
-    copied = []
+    real_copy = hook._Worker.copy_all
 
-    def copy_then_die(self, buf, entry):
-        copied.append(entry.path)
-        if len(copied) == 3:  # the third tensor of the snapshot of a doomed step
-            os.kill(os.getpid(), signal.SIGKILL)
-        return real_copy(self, buf, entry)
+    def copy_then_die(self, buf, layout, tensors):
+        # the tensor bytes are written, the slot is WRITING: die before the commit
+        result = real_copy(self, buf, layout, tensors)
+        assert memory.read_header(buf).state is memory.SlotState.WRITING
+        os.kill(os.getpid(), signal.SIGKILL)
+        return result
 
     def arm(step):
-        copied.clear()
-        hook._Worker.copy_and_hash = copy_then_die if step in copy_kill_steps else real_copy
+        hook._Worker.copy_all = copy_then_die if step in copy_kill_steps else real_copy
 
 
 for step in range(start, args.steps):
