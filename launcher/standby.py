@@ -70,7 +70,8 @@ class StandbyPool:
 
 
 class StandbyService:
-    """Supervisor service: refills the standby pool whenever a round of workers started."""
+    """Supervisor service: keeps the standby pool full, before the first round too, so
+    that every script worker runs in a standby and dies with the supervisor."""
 
     def __init__(self, local_world_size: int) -> None:
         self.pool = StandbyPool(local_world_size)
@@ -79,7 +80,8 @@ class StandbyService:
             logger.info("standby workers unavailable with this torch version")
 
     def before_start(self, group: Any, store: Any) -> None:
-        pass
+        if self.enabled:
+            self.pool.fill()
 
     def after_start(self, group: Any) -> None:
         if self.enabled:
@@ -93,6 +95,18 @@ class StandbyService:
 
     def close(self) -> None:
         self.pool.close()
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent (the supervisor) dies, so a killed
+    host takes its workers along instead of leaving them hanging in a collective."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        parent = os.getppid()
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
 
 
 def activate(proc: subprocess.Popen[bytes], argv: list[str], env: dict[str, str]) -> bool:
@@ -175,6 +189,7 @@ WARM_MODULES = ("torch", "torch._dynamo", "torch.optim", "torch.distributed",
 def main() -> None:
     import importlib
 
+    die_with_parent()
     os.nice(5)  # import while training runs, without slowing it much
     for module in WARM_MODULES:
         try:

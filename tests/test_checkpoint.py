@@ -182,9 +182,13 @@ def test_restarted_supervisor_adopts_its_segments(tmp_path: Path, reference: dic
     lines: list[str] = []
     pump = _read_lines(proc, lines)
     _wait_for(lines, r"^step 5 ")
+    workers = _workers(tmp_path / "runs")
     kill_group(proc)
     proc.wait(timeout=30)
     pump.join(timeout=10)
+    # the workers run in their own sessions, yet die with their supervisor
+    _, alive = psutil.wait_procs(workers, timeout=15)
+    assert len(workers) == 2 and not alive
     held = json.loads(run([*GEMINI, "inspect", "--json"]).stdout)
     steps = {s["step"] for s in held["slots"] if s["run_id"] == f"adopt-{port}"}
     assert steps and max(steps) >= 4, held

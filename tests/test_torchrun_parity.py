@@ -14,19 +14,25 @@ PER_LAUNCH = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
 
 
 def _worker_envs(launcher: tuple[str, ...], flags: list[str], out: Path,
-                 tmp_path: Path) -> dict[int, dict[str, str]]:
+                 tmp_path: Path, **env: str) -> dict[int, dict[str, str]]:
     out.mkdir()
     done = run([*launcher, *flags, str(SCRIPTS / "env_probe.py"), str(out)],
-               env=env_with(tmp_path), cwd=tmp_path)
+               env=env_with(tmp_path, **env), cwd=tmp_path)
     assert done.returncode == 0, done.output
     return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("env-*.json")}
 
 
-@pytest.mark.parametrize("flags", [["--nproc-per-node", "2"],
-                                   ["--standalone", "--nproc_per_node=3", "--max-restarts=1"]])
-def test_worker_environment_equals_torchrun(tmp_path: Path, flags: list[str]) -> None:
-    torch_envs = _worker_envs(TORCHRUN, flags, tmp_path / "torchrun", tmp_path)
-    gemini_envs = _worker_envs(GEMINI, ["run", *flags], tmp_path / "gemini", tmp_path)
+@pytest.mark.parametrize("flags,standby", [
+    (["--nproc-per-node", "2"], "1"),
+    (["--nproc-per-node", "2"], "0"),
+    (["--standalone", "--nproc_per_node=3", "--max-restarts=1"], "1"),
+])
+def test_worker_environment_equals_torchrun(tmp_path: Path, flags: list[str],
+                                            standby: str) -> None:
+    torch_envs = _worker_envs(TORCHRUN, flags, tmp_path / "torchrun", tmp_path,
+                              GEMINI_STANDBY=standby)
+    gemini_envs = _worker_envs(GEMINI, ["run", *flags], tmp_path / "gemini", tmp_path,
+                               GEMINI_STANDBY=standby)
     assert sorted(torch_envs) == sorted(gemini_envs) and len(torch_envs) > 1
     for rank, expected in torch_envs.items():
         got = gemini_envs[rank]

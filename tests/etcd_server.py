@@ -1,0 +1,154 @@
+"""Test helper: a real single-member etcd on free loopback ports, in a temporary data dir.
+
+    with EtcdServer() as etcd:          # started; stopped and removed on exit
+        store = open_store(etcd.url)
+        etcd.stop()                     # "etcd went away" (SIGTERM; sig=SIGKILL to crash it)
+        etcd.start()                    # back on the same ports with the same data
+
+Only the process this helper started is ever signalled. Without an ``etcd`` binary,
+:func:`require_etcd` skips the test, or fails it when ``CI=true`` (CI installs etcd).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from types import TracebackType
+
+import pytest
+from helpers import free_port
+
+INSTALL_HINT = "apt-get install etcd-server"
+
+
+def require_etcd() -> str:
+    """The etcd binary's path; skips the calling test without one (fails it on CI)."""
+    path = shutil.which("etcd")
+    if path is not None:
+        return path
+    reason = f"no etcd binary on PATH ({INSTALL_HINT})"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; CI=true, so etcd tests must run", pytrace=False)
+    pytest.skip(reason)
+
+
+class EtcdServer:
+    """One etcd member serving ``http://127.0.0.1:<client_port>``.
+
+    The ports and the data dir are chosen once, so :meth:`stop` then :meth:`start` brings
+    the same member back with its data (keys, leases, revisions). Elections are tuned
+    fast (10 ms heartbeat, 100 ms election timeout), which also lets etcd grant leases as
+    short as 1 s (its minimum is 1.5 election timeouts, rounded up to whole seconds).
+    """
+
+    def __init__(self, *, heartbeat_ms: int = 10, election_ms: int = 100) -> None:
+        self.binary = require_etcd()
+        self.tmp = Path(tempfile.mkdtemp(prefix="gemini-etcd-"))
+        self.data_dir = self.tmp / "data"
+        self.log_path = self.tmp / "etcd.log"
+        self.name = f"gemini-test-{uuid.uuid4().hex[:12]}"
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        while self.peer_port == self.client_port:
+            self.peer_port = free_port()
+        self.heartbeat_ms = heartbeat_ms
+        self.election_ms = election_ms
+        self.proc: subprocess.Popen[bytes] | None = None
+        atexit.register(self.close)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def url(self) -> str:
+        """The store URL of this server, for ``launcher.store.open_store``."""
+        return f"etcd://{self.endpoint}"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def command(self) -> list[str]:
+        client = f"http://{self.endpoint}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        return [self.binary, "--name", self.name, "--data-dir", str(self.data_dir),
+                "--listen-client-urls", client, "--advertise-client-urls", client,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"{self.name}={peer}",
+                "--initial-cluster-state", "new",
+                "--heartbeat-interval", str(self.heartbeat_ms),
+                "--election-timeout", str(self.election_ms)]
+
+    def start(self, *, timeout: float = 20.0) -> None:
+        """Start etcd (again) and return once it reports healthy; raises RuntimeError with
+        the end of its log if it does not within ``timeout`` seconds."""
+        if self.running:
+            return
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.healthy():
+                return
+            time.sleep(0.05)
+        self.stop(sig=signal.SIGKILL)
+        raise RuntimeError(f"etcd not healthy after {timeout}s:\n{self.log_tail()}")
+
+    def healthy(self) -> bool:
+        """Whether etcd answers ``/health`` with a leader."""
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=0.5) as reply:
+                return b'"true"' in reply.read()
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def stop(self, *, sig: signal.Signals = signal.SIGTERM, timeout: float = 10.0) -> None:
+        """Stop the etcd this helper started (idempotent): ``sig``, then SIGKILL after
+        ``timeout`` seconds."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def close(self) -> None:
+        """Stop etcd and delete its data dir and log (idempotent)."""
+        self.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        atexit.unregister(self.close)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> EtcdServer:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
