@@ -227,3 +227,29 @@ def test_large_tensors_take_the_pipelined_path(supervisor: SlotServer,
     monkeypatch.setenv(hook.ENV_RESTORE_STEP, "0")
     hook.Checkpointer(model=restored).restore()
     assert torch.equal(restored.weight, big.weight) and torch.equal(restored.bias, big.bias)
+
+
+def test_inspect_command_reports_and_verifies(supervisor: SlotServer) -> None:
+    import json
+
+    from helpers import GEMINI, run
+
+    model, opt = _model()
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+    for step in range(2):
+        _train(model, opt)
+        ckpt.save(step)
+    ckpt.close()
+    run_id = supervisor.owner.run_id
+    done = run([*GEMINI, "inspect", "--run-id", run_id, "--json", "--tensors"])
+    report = json.loads(done.stdout)
+    assert done.returncode == 0 and report["schema"] == "gemini.inspect/v1"
+    slots = {s["step"]: s for s in report["slots"]}
+    assert set(slots) == {0, 1} and all(s["verified"] for s in slots.values())
+    assert "/model/0.weight" in [t["path"] for t in slots[1]["tensors"]]
+    newest = memory.attach_segment(slots[1]["segment"])
+    newest.view[memory.HEADER_SIZE + 3] ^= 0x40
+    newest.close()
+    done = run([*GEMINI, "inspect", "--run-id", run_id])
+    assert done.returncode == 5 and "checksum mismatch" in done.stdout
