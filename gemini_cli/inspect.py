@@ -64,7 +64,8 @@ def _render(rows: list[dict[str, Any]], with_tensors: bool, shm_dir: str) -> Non
         return
     table = Table(title=f"in-memory checkpoints in {shm_dir}")
     for column in ("run", "rank", "slot", "state", "step", "tensors", "data", "size", "check"):
-        table.add_column(column, justify="right" if column in ("rank", "slot", "step") else "left")
+        table.add_column(column, justify="right" if column in ("rank", "slot", "step") else "left",
+                         overflow="fold", max_width=20 if column == "run" else None)
     for r in rows:
         check = "[red]" + r["error"] + "[/]" if r["error"] else (
             "[green]ok[/]" if r["verified"] else "-")

@@ -251,5 +251,7 @@ def test_inspect_command_reports_and_verifies(supervisor: SlotServer) -> None:
     newest = memory.attach_segment(slots[1]["segment"])
     newest.view[memory.HEADER_SIZE + 3] ^= 0x40
     newest.close()
-    done = run([*GEMINI, "inspect", "--run-id", run_id])
-    assert done.returncode == 5 and "checksum mismatch" in done.stdout
+    done = run([*GEMINI, "inspect", "--run-id", run_id, "--json"])
+    errors = {s["step"]: s["error"] for s in json.loads(done.stdout)["slots"]}
+    assert done.returncode == 5 and "checksum mismatch" in errors[1] and errors[0] is None
+    assert run([*GEMINI, "inspect", "--run-id", run_id]).returncode == 5
