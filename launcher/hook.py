@@ -304,7 +304,8 @@ class Checkpointer:
         for index in range(2):
             name = memory.slot_name(self._prefix, self.rank, index)
             if self._segments[index] is None and (memory.SHM_DIR / name).exists():
-                self._segments[index] = memory.attach_segment(name)
+                # no pre-faulting: a restore reads one slot once; saves fault pages lazily
+                self._segments[index] = memory.attach_segment(name, populate=False)
         for segment in self._segments:
             header = memory.read_header(segment.view) if segment is not None else None
             if header is not None:
