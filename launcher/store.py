@@ -170,7 +170,7 @@ class KeepAlive:
         self._stopped = threading.Event()
         self._last_ok = time.monotonic()
         self._lost = False
-        self._error: StoreError | None = None
+        self._error: Exception | None = None
         self._thread = threading.Thread(target=self._run, name=f"gemini-keepalive-{lease.id:x}",
                                         daemon=True)
         self._thread.start()
@@ -188,8 +188,9 @@ class KeepAlive:
             return self._lost
 
     @property
-    def last_error(self) -> StoreError | None:
-        """Why the latest refresh failed, or None if it succeeded."""
+    def last_error(self) -> Exception | None:
+        """Why the latest refresh failed (a StoreError, unless gemini has a bug), or None
+        if it succeeded."""
         with self._lock:
             return self._error
 
@@ -206,11 +207,12 @@ class KeepAlive:
             sent = time.monotonic()
             try:
                 ok = self.lease.refresh()
-            except StoreError as exc:
+            except Exception as exc:  # StoreError, or a bug that must not end the refreshes
                 with self._lock:
                     first, self._error = self._error is None, exc
                 if first:
-                    logger.warning("cannot refresh lease %x, retrying: %s", self.lease.id, exc)
+                    logger.warning("cannot refresh lease %x, retrying: %s", self.lease.id, exc,
+                                   exc_info=not isinstance(exc, StoreError))
                 delay = self._retry
                 continue
             with self._lock:
@@ -294,12 +296,12 @@ def _parse_endpoint(text: str) -> tuple[str, int]:
         spec = spec[len("http://"):]
     if "://" in spec:
         raise ConfigError(f"etcd endpoint {text!r}: only plain http endpoints are supported")
-    host, sep, port = spec.rstrip("/").rpartition(":")
-    if not sep:
+    spec = spec.rstrip("/")
+    host, sep, port = spec.rpartition(":")
+    if not sep or host.endswith(":") or spec.endswith("]"):  # no port (IPv6 in brackets)
         host, port = spec, "2379"
-    host = host.strip("[]")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"etcd endpoint {text!r} is not HOST:PORT")
+        raise ConfigError(f"etcd endpoint {text!r} is not HOST:PORT ([ADDRESS]:PORT for IPv6)")
     return host, int(port)
 
 
@@ -324,7 +326,8 @@ class EtcdStore:
             raise ConfigError("an etcd store needs at least one endpoint")
         if not timeout > 0:
             raise ConfigError(f"store timeout must be positive, not {timeout!r}")
-        self.endpoints = [f"{h}:{p}" for h, p in map(_parse_endpoint, endpoints)]
+        members = [_parse_endpoint(e) for e in endpoints]
+        self.endpoints = [f"{host}:{port}" for host, port in members]
         self.timeout = timeout
         self._grpc = _grpc()
         self._exceptions = importlib.import_module("pyetcd.exceptions")
@@ -336,7 +339,7 @@ class EtcdStore:
                 endpoints=[pyetcd.Endpoint(host, port, secure=False, time_retry=0,
                                            opts=_GRPC_OPTIONS)],
                 timeout=timeout)
-            for host, port in map(_parse_endpoint, self.endpoints)]
+            for host, port in members]
         self._current = 0
         self._lock = threading.Lock()
         self._closed = False
@@ -449,6 +452,7 @@ class EtcdStore:
     def keep_alive(self, lease: Lease) -> KeepAlive:
         keepalive = KeepAlive(lease)
         with self._lock:
+            self._keepalives = [k for k in self._keepalives if not k._stopped.is_set()]
             self._keepalives.append(keepalive)
         return keepalive
 
@@ -458,6 +462,7 @@ class EtcdStore:
         header = self._call("watch", lambda c: c.get_response(start, count_only=True).header)
         watch = _EtcdWatch(self, prefix, callback, int(header.revision) + 1)
         with self._lock:
+            self._watches = [w for w in self._watches if not w._cancelled.is_set()]
             self._watches.append(watch)
         return watch
 
@@ -667,6 +672,7 @@ class EmbeddedStore:
         self._last_trim = 0.0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
             self._db: sqlite3.Connection = self._connect()
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open the embedded store {self.path}: {exc}") from exc
@@ -856,6 +862,7 @@ class EmbeddedStore:
     def keep_alive(self, lease: Lease) -> KeepAlive:
         keepalive = KeepAlive(lease)
         with self._lock:
+            self._keepalives = [k for k in self._keepalives if not k._stopped.is_set()]
             self._keepalives.append(keepalive)
         return keepalive
 
@@ -864,6 +871,7 @@ class EmbeddedStore:
         (revision,) = self._read("watch", "SELECT value FROM meta WHERE name = 'revision'", ())[0]
         watch = _EmbeddedWatch(self, prefix, callback, int(revision))
         with self._lock:
+            self._watches = [w for w in self._watches if not w._cancelled.is_set()]
             self._watches.append(watch)
         return watch
 
@@ -941,10 +949,14 @@ class _EmbeddedWatch:
                     if db.execute("SELECT 1 FROM leases WHERE expires <= ? LIMIT 1",
                                   (time.time(),)).fetchone() is not None:
                         self._store._expire()
-                    (trimmed,) = db.execute(
-                        "SELECT value FROM meta WHERE name = 'trimmed'").fetchone()
                     args = (self._last, self._start) + ((self._end,) if self._end else ())
-                    rows = db.execute(sql + " ORDER BY revision", args).fetchall()
+                    db.execute("BEGIN")  # one snapshot for both reads
+                    try:
+                        (trimmed,) = db.execute(
+                            "SELECT value FROM meta WHERE name = 'trimmed'").fetchone()
+                        rows = db.execute(sql + " ORDER BY revision", args).fetchall()
+                    finally:
+                        db.execute("COMMIT")
                 except (sqlite3.Error, StoreError) as exc:
                     if not failing:
                         logger.warning("watch on %r cannot read %s, retrying: %s",
