@@ -21,6 +21,7 @@ This module imports only the standard library, torch, xxhash and ``launcher.memo
 
 from __future__ import annotations
 
+import array
 import atexit
 import base64
 import json
@@ -112,8 +113,8 @@ def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
 
 def _rng_state() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
-    state: dict[str, Any] = {"python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
-                             "torch": torch.get_rng_state()}
+    words = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
+    state: dict[str, Any] = {"python": [version, words, gauss], "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     numpy = sys.modules.get("numpy")
@@ -396,7 +397,6 @@ class Checkpointer:
                             world_size=self.world_size, run_id=self.run_id,
                             data_len=layout.data_len, meta=meta)
         self._newest = index
-        self._notify({"op": "committed", "rank": self.rank, "step": step})
 
     def _layout_for(self, index: int, tensors: list[tuple[str, torch.Tensor]],
                     skeleton: Any) -> _Layout:
@@ -443,16 +443,6 @@ class Checkpointer:
                 layout.records.append((head, tail))
         self._layouts[index] = layout
         return layout
-
-    def _notify(self, message: dict[str, Any]) -> None:
-        """Tell the supervisor something without waiting for an answer (best effort)."""
-        try:
-            if self._conn is None:
-                self._request({"op": "hello", "rank": self.rank})
-            assert self._conn is not None
-            self._conn.sendall((json.dumps(message) + "\n").encode())
-        except (OSError, StorageError) as exc:
-            logger.debug("could not notify the supervisor: %s", exc)
 
 
 @dataclass

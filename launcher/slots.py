@@ -217,17 +217,14 @@ class SlotServer:
 
     Requests and replies are single JSON lines: ``{"op": "alloc", "rank": R, "nbytes": N}``
     -> ``{"ok": true, "slots": [name0, name1]}``; ``{"op": "check", ...}`` (can /dev/shm
-    hold slots of N bytes?) and ``{"op": "hello", ...}`` -> ``{"ok": true}``; the
-    notification ``{"op": "committed", "rank": R, "step": S}`` gets no answer. An
-    allocation that /dev/shm cannot hold is fatal for the run: it is kept in
-    :attr:`fatal` for the supervisor to stop the job.
+    hold slots of N bytes?) -> ``{"ok": true}``. An allocation that /dev/shm cannot hold
+    is fatal for the run: it is kept in :attr:`fatal` for the supervisor to stop the job.
     """
 
     def __init__(self, owner: SlotOwner) -> None:
         self.owner = owner
         self.address = f"\0{owner.prefix}{os.getpid()}-{time.monotonic_ns()}"
         self.fatal: StorageError | None = None
-        self.committed: dict[int, int] = {}
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
         self._sock.listen(64)
@@ -255,8 +252,6 @@ class SlotServer:
             for line in stream:
                 try:
                     reply = self._handle(json.loads(line))
-                    if reply is None:
-                        continue  # a notification: no answer expected
                 except StorageError as exc:
                     self.fatal = self.fatal or exc
                     reply = {"ok": False, "error": str(exc), "fatal": True}
@@ -265,7 +260,7 @@ class SlotServer:
                 stream.write((json.dumps(reply) + "\n").encode())
                 stream.flush()
 
-    def _handle(self, request: dict[str, Any]) -> dict[str, Any] | None:
+    def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request["op"]
         rank = int(request["rank"])
         if op == "alloc":
@@ -275,11 +270,6 @@ class SlotServer:
             return {"ok": True, "slots": self.owner.allocate(rank, nbytes)}
         if op == "check":
             self.owner.check_capacity(rank, int(request["nbytes"]))
-            return {"ok": True}
-        if op == "committed":
-            self.committed[rank] = int(request["step"])
-            return None
-        if op == "hello":
             return {"ok": True}
         raise ValueError(f"unknown op {op!r}")
 
