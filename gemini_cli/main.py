@@ -15,6 +15,7 @@ from gemini_cli.clean import clean_command
 from gemini_cli.errors import INTERNAL_EXIT, USAGE_EXIT, exit_code
 from gemini_cli.inspect import inspect_command
 from gemini_cli.run import run_command
+from gemini_cli.status import status_command
 from gemini_cli.template import template_command
 from launcher import __version__
 from launcher.errors import GeminiError, WorkerFailedError
@@ -31,6 +32,7 @@ def cli() -> None:
 
 
 cli.add_command(run_command)
+cli.add_command(status_command)
 cli.add_command(inspect_command)
 cli.add_command(clean_command)
 cli.add_command(template_command)

@@ -60,6 +60,11 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--run-root", "--run_root"), "run_root",
      "Directory holding one directory per run (events, state).  "
      "[default: ~/.local/state/gemini/runs]"),
+    (("--store",), "store",
+     "Coordination store: etcd://HOST:PORT[,HOST:PORT...] or embedded:///PATH.  "
+     "[default: embedded, next to the run root]"),
+    (("--host-ttl", "--host_ttl"), "host_ttl",
+     "Seconds without a heartbeat before a host counts as lost.  [default: 10]"),
     (("--standby/--no-standby",), "standby",
      "Keep a standby interpreter per worker with torch imported, for fast restarts.  "
      "[default: standby]"),

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -272,8 +273,11 @@ def launch(config: RunConfig, command: Command, *,
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import _get_entrypoint_name
 
+    from launcher.config import default_store_url
+    from launcher.coordination import CoordinationService
     from launcher.slots import MemoryService, SlotOwner
     from launcher.standby import StandbyService
+    from launcher.store import open_store
 
     args = torchrun.parse_args(torchrun_argv(config, command))  # type: ignore[no-untyped-call]
     _apply_torchrun_defaults(args, torchrun.parse_min_max_nnodes)
@@ -299,6 +303,19 @@ def launch(config: RunConfig, command: Command, *,
         owner.close()
         raise ConfigError(f"cannot write the run directory {run_dir}: {exc.strerror}") from None
     services: list[SupervisorService] = [MemoryService(owner, events)]
+    try:
+        store = open_store(config.store or default_store_url(config.run_root))
+        coordination = CoordinationService(store, run_id=launch_config.run_id,
+                                           host_id=owner.host_id, owner=owner,
+                                           ttl=config.host_ttl)
+    except BaseException:
+        owner.close()
+        events.close()
+        raise
+    if launch_config.max_nodes > 1:
+        print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
+    events.add_sink(coordination.record_event)
+    services.insert(0, coordination)  # closes first, while the slots still exist
     if config.standby:
         services.append(StandbyService(launch_config.nproc_per_node))
     services += extra_services
@@ -347,9 +364,9 @@ def launch(config: RunConfig, command: Command, *,
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
+        events.write("exit", outcome=outcome)
         for service in services:
             service.close()
-        events.write("exit", outcome=outcome)
         events.close()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 import types
 import typing
@@ -106,6 +107,11 @@ class RunConfig:
     run_root: str = dataclasses.field(default="~/.local/state/gemini/runs",
                                       metadata={"gemini": True})
     """Directory under which each run gets a directory for its events and state."""
+    store: str = dataclasses.field(default="", metadata={"gemini": True})
+    """Coordination store: ``etcd://HOST:PORT[,HOST:PORT...]`` or ``embedded:///PATH``
+    (default: an embedded store, ``store.db`` next to the run root)."""
+    host_ttl: float = dataclasses.field(default=10.0, metadata={"gemini": True})
+    """Seconds without a heartbeat after which a host counts as lost."""
     standby: bool = dataclasses.field(default=True, metadata={"gemini": True})
     """Keep one interpreter per local rank with torch imported, so a restart skips start-up."""
 
@@ -118,7 +124,11 @@ class RunConfig:
                 f"nproc_per_node={self.nproc_per_node!r}: expected a positive integer or one "
                 f"of {', '.join(_NPROC_NAMES)}", field="nproc_per_node"
             )
+        if self.store and not self.store.startswith(("etcd://", "embedded://")):
+            raise ConfigError(f"store={self.store!r}: expected etcd://HOST:PORT[,HOST:PORT...] "
+                              "or embedded:///PATH", field="store")
         for name, ok, rule in (
+            ("host_ttl", self.host_ttl >= 1, ">= 1 second"),
             ("node_rank", self.node_rank >= 0, ">= 0"),
             ("max_restarts", self.max_restarts >= 0, ">= 0"),
             ("monitor_interval", self.monitor_interval > 0, "> 0"),
@@ -151,6 +161,12 @@ class RunConfig:
     def min_max_nodes(self) -> tuple[int, int]:
         """``nnodes`` as a ``(min, max)`` pair."""
         return _parse_nnodes(self.nnodes)
+
+
+def default_store_url(run_root: str) -> str:
+    """The embedded store used when no ``--store`` is given: next to the run root."""
+    path = Path(os.path.expanduser(run_root)).absolute().parent / "store.db"
+    return f"embedded://{path}"
 
 
 def _parse_nnodes(value: str) -> tuple[int, int]:

@@ -11,7 +11,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,11 @@ class EventLog:
         self._fd: int | None = os.open(
             self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600
         )
+        self._sinks: list[Callable[[str, dict[str, Any]], None]] = []
+
+    def add_sink(self, sink: Callable[[str, dict[str, Any]], None]) -> None:
+        """Also hand every event to ``sink(event, fields)`` (which must not block)."""
+        self._sinks.append(sink)
 
     def write(self, event: str, **fields: Any) -> None:
         """Record ``event`` with ``fields``; values must be JSON-serialisable."""
@@ -41,6 +46,8 @@ class EventLog:
         record = {"ts": round(time.time(), 6), "event": event, "host": self.host,
                   "pid": os.getpid(), **fields}
         os.write(self._fd, (json.dumps(record, sort_keys=True) + "\n").encode())
+        for sink in self._sinks:
+            sink(event, fields)
 
     def close(self) -> None:
         if self._fd is not None:

@@ -190,6 +190,17 @@ class SlotOwner:
                     best, index = key, i
         return index
 
+    def newest_steps(self) -> dict[int, int | None]:
+        """The newest committed step of each local rank (headers only, not verified)."""
+        with self._lock:
+            steps: dict[int, int | None] = {}
+            for rank, pair in self._slots.items():
+                headers = [memory.read_header(seg.view) for seg in pair if seg is not None]
+                committed = [h.step for h in headers
+                             if h is not None and h.state is memory.SlotState.COMMITTED]
+                steps[rank] = max(committed, default=None)
+            return steps
+
     # -- recovery -------------------------------------------------------------------------
     def holdings(self, ranks: Iterable[int], world_size: int) -> dict[int, list[int]]:
         """Verified committed steps per rank, for the given ranks of this run."""

@@ -1,0 +1,101 @@
+"""``gemini status``: hosts, root, ranks, restarts, newest steps and recent failures of a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import click
+
+SCHEMA = "gemini.status/v1"
+
+
+@click.command("status", short_help="Show a run: hosts, root, ranks, steps, failures.")
+@click.option("--store", "store_url", default=None, metavar="URL",
+              help="etcd://HOST:PORT[,...] or embedded:///PATH (default: $GEMINI_STORE, else "
+                   "the embedded store next to the run root).")
+@click.option("--run-id", default=None, help="The run (its rdzv id); default: the newest run.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (schema gemini.status/v1).")
+@click.option("--watch", "watch_seconds", type=float, default=None, metavar="SECONDS",
+              is_flag=False, flag_value=2.0, help="Refresh every SECONDS (default 2) until ^C.")
+def status_command(store_url: str | None, run_id: str | None, as_json: bool,
+                   watch_seconds: float | None) -> int:
+    """Show what the supervisors of a run report through the coordination store.
+
+    Exit code 0; 3 when the store is unreachable; 2 when the run is unknown.
+    """
+    from launcher.config import default_store_url
+    from launcher.coordination import list_runs, read_status
+    from launcher.errors import UsageError
+    from launcher.store import open_store
+
+    url = store_url or os.environ.get("GEMINI_STORE") or default_store_url(
+        os.environ.get("GEMINI_RUN_ROOT", "~/.local/state/gemini/runs"))
+    store = open_store(url)
+    try:
+        while True:
+            runs = [run_id] if run_id else list_runs(store)[:1]
+            if not runs:
+                raise UsageError(f"no run found in {url}")
+            status = read_status(store, runs[0])
+            if not status.hosts:
+                raise UsageError(f"run {runs[0]!r} not found in {url}")
+            if as_json:
+                click.echo(json.dumps({"schema": SCHEMA, "store": url, **status.as_json()}))
+            else:
+                _render(status.as_json(), url, clear=watch_seconds is not None)
+            if watch_seconds is None:
+                return 0
+            time.sleep(watch_seconds)
+    finally:
+        store.close()
+
+
+def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if clear:
+        console.clear()
+    now = time.time()
+    console.print(f"run [bold]{status['run_id']}[/]  root: {status['root'] or '-'}  "
+                  f"store: {url}")
+    hosts = Table(title="hosts")
+    for column in ("host", "status", "pid", "ranks", "round", "restarts", "heartbeat"):
+        hosts.add_column(column)
+    for h in status["hosts"]:
+        colour = {"alive": "green", "lost": "red"}.get(h["status"], "dim")
+        hosts.add_row(h["host"] + (" (root)" if h["host"] == status["root"] else ""),
+                      f"[{colour}]{h['status']}[/]", str(h.get("pid", "")),
+                      _ranks(h.get("ranks", [])), str(h.get("round", "")),
+                      str(h.get("restart_count", 0)), f"{now - h.get('heartbeat', now):.0f} s ago")
+    console.print(hosts)
+    ranks = Table(title="newest step per rank")
+    for column in ("rank", "host", "memory"):
+        ranks.add_column(column)
+    for rank, r in status["ranks"].items():
+        ranks.add_row(rank, r.get("host", ""), "-" if r.get("memory") is None else str(r["memory"]))
+    console.print(ranks)
+    if status["events"]:
+        events = Table(title="recent events")
+        for column in ("time", "host", "event", "detail"):
+            events.add_column(column)
+        for e in status["events"]:
+            detail = {k: v for k, v in e.items() if k not in ("event", "host", "ts", "pid")}
+            events.add_row(time.strftime("%H:%M:%S", time.localtime(e.get("ts", 0))),
+                           e.get("host", ""), e.get("event", ""), _short(detail))
+        console.print(events)
+
+
+def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "-"
+    return f"{min(ranks)}-{max(ranks)}" if len(ranks) > 1 else str(ranks[0])
+
+
+def _short(detail: dict[str, Any]) -> str:
+    text = json.dumps(detail, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,252 @@
+"""The supervisors' shared view of a run, kept in the coordination store.
+
+Key layout (all under ``gemini/runs/<run_id>/``)::
+
+    root                    host id of the root supervisor (bound to its lease: an election)
+    alive/<host>            "1", bound to the host's lease: gone within the TTL of its death
+    hosts/<host>            JSON record: pid, ranks, round, restart count, last heartbeat, state
+    ranks/<rank>            JSON: the host holding the rank and its newest step per tier
+    events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...)
+
+Each supervisor runs :class:`CoordinationService`: it registers under a lease kept alive
+in the background, publishes its ranks' newest committed steps, campaigns for root, and,
+while root, records a ``host_lost`` event when another host's lease expires. Store
+outages never stop training: writes are queued and retried by the heartbeat thread.
+:func:`read_status` turns one prefix read into the snapshot ``gemini status`` shows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from launcher.errors import StoreError
+from launcher.store import KeepAlive, Lease, Store, Watch
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.agent.server.api import WorkerGroup
+
+    from launcher.slots import SlotOwner
+
+logger = logging.getLogger(__name__)
+
+ROOT = "gemini/runs/"
+#: Agent events mirrored into the store (the full log stays in the run directory).
+STORE_EVENTS = frozenset({"launch", "worker_exit", "restart", "exit", "host_lost",
+                          "root_elected", "restore_plan"})
+
+
+def run_prefix(run_id: str) -> str:
+    return f"{ROOT}{run_id}/"
+
+
+class CoordinationService:
+    """Supervisor service (see ``agent.SupervisorService``) for the coordination store."""
+
+    def __init__(self, store: Store, *, run_id: str, host_id: str, owner: SlotOwner,
+                 ttl: float) -> None:
+        self.store = store
+        self.host_id = host_id
+        self.prefix = run_prefix(run_id)
+        self.owner = owner
+        self.ttl = ttl
+        self.is_root = False
+        self._record: dict[str, Any] = {
+            "host": host_id, "pid": os.getpid(), "started": time.time(), "state": "running",
+            "ranks": [], "round": 0, "restart_count": 0, "heartbeat": time.time(),
+        }
+        self._published: dict[int, int | None] = {}
+        self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._campaigning = threading.Lock()
+        self._stop = threading.Event()
+        self._lease: Lease = store.grant_lease(ttl)
+        self._keeper: KeepAlive = store.keep_alive(self._lease)
+        self._register()
+        self._watch: Watch = store.watch_prefix(self.prefix + "alive/", self._on_alive)
+        self._thread = threading.Thread(target=self._heartbeat, name="gemini-coordination",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- the agent's hooks ----------------------------------------------------------------
+    def before_start(self, group: WorkerGroup, store: object) -> None:
+        with self._lock:
+            self._record.update(ranks=[w.global_rank for w in group.workers],
+                                group_rank=group.group_rank, round=self._record["round"] + 1)
+
+    def after_start(self, group: WorkerGroup) -> None:
+        pass
+
+    def after_stop(self, group: WorkerGroup) -> None:
+        pass
+
+    def check(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.ttl)
+        self._watch.cancel()
+        self._keeper.stop()
+        with self._lock:
+            self._record.update(state="exited", heartbeat=time.time())
+        try:
+            self._flush()
+            self.store.put(self.prefix + f"hosts/{self.host_id}", _dump(self._record))
+            self._lease.revoke()
+        except StoreError as exc:
+            logger.warning("could not deregister from the coordination store: %s", exc)
+        self.store.close()
+
+    # -- events -----------------------------------------------------------------------------
+    def record_event(self, event: str, fields: dict[str, Any]) -> None:
+        """An ``EventLog`` sink: queue selected events for the store (never blocks)."""
+        if event not in STORE_EVENTS:
+            return
+        if event == "restart":
+            with self._lock:
+                self._record["restart_count"] = fields.get("restart_count", 0)
+        key = self.prefix + f"events/{time.time_ns():020d}-{self.host_id}"
+        self._outbox.put((key, _dump({"event": event, "host": self.host_id,
+                                      "ts": time.time(), **fields})))
+
+    # -- background ---------------------------------------------------------------------------
+    def _register(self) -> None:
+        self.store.put(self.prefix + f"alive/{self.host_id}", b"1", lease=self._lease)
+        self.store.put(self.prefix + f"hosts/{self.host_id}", _dump(self._record))
+        self._campaign()
+
+    def _campaign(self) -> None:
+        with self._campaigning:  # the heartbeat and the watch thread both campaign
+            if not self.is_root and self.store.campaign(self.prefix + "root", self.host_id,
+                                                        self._lease):
+                self.is_root = True
+                self.record_event("root_elected", {"root": self.host_id})
+                logger.info("this supervisor (%s) is now the root", self.host_id)
+
+    def _on_alive(self, key: str, value: bytes | None) -> None:
+        host = key.rsplit("/", 1)[-1]
+        if value is not None or host == self.host_id:
+            return
+        try:
+            self._campaign()  # the lost host may have been the root
+        except StoreError as exc:
+            logger.warning("could not campaign for root: %s", exc)
+        if self.is_root:
+            self.record_event("host_lost", {"lost": host})
+
+    def _heartbeat(self) -> None:
+        interval = max(0.2, self.ttl / 3)
+        while not self._stop.wait(interval):
+            try:
+                if self._keeper.lost:  # e.g. unreachable for longer than the TTL
+                    self._lease = self.store.grant_lease(self.ttl)
+                    self._keeper.stop()
+                    self._keeper = self.store.keep_alive(self._lease)
+                    self.is_root = False
+                    self._register()
+                with self._lock:
+                    self._record["heartbeat"] = time.time()
+                    record = _dump(self._record)
+                self.store.put(self.prefix + f"hosts/{self.host_id}", record)
+                self._publish_steps()
+                self._flush()
+                self._campaign()
+            except StoreError as exc:
+                logger.warning("coordination store unavailable, retrying: %s", exc)
+
+    def _publish_steps(self) -> None:
+        for rank, step in self.owner.newest_steps().items():
+            if self._published.get(rank, -2) != step:
+                self.store.put(self.prefix + f"ranks/{rank}", _dump(
+                    {"host": self.host_id, "memory": step, "updated": time.time()}))
+                self._published[rank] = step
+
+    def _flush(self) -> None:
+        pending: list[tuple[str, bytes]] = []
+        try:
+            while True:
+                pending.append(self._outbox.get_nowait())
+        except queue.Empty:
+            pass
+        for i, (key, value) in enumerate(pending):
+            try:
+                self.store.put(key, value)
+            except StoreError:
+                for item in pending[i:]:  # keep the order; retried on the next beat
+                    self._outbox.put(item)
+                raise
+
+
+def _dump(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True).encode()
+
+
+# -- reading --------------------------------------------------------------------------------
+
+@dataclass
+class RunStatus:
+    """What ``gemini status`` shows for one run."""
+
+    run_id: str
+    root: str | None
+    hosts: list[dict[str, Any]] = field(default_factory=list)
+    ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "root": self.root, "hosts": self.hosts,
+                "ranks": {str(k): v for k, v in sorted(self.ranks.items())},
+                "events": self.events}
+
+
+def list_runs(store: Store) -> list[str]:
+    """Run ids with a record in the store, most recently started first."""
+    started: dict[str, float] = {}
+    for key, value in store.get_prefix(ROOT).items():
+        parts = key[len(ROOT):].split("/")
+        if len(parts) == 3 and parts[1] == "hosts":
+            try:
+                started[parts[0]] = max(started.get(parts[0], 0.0),
+                                        float(json.loads(value).get("started", 0.0)))
+            except (ValueError, AttributeError):
+                continue
+    return sorted(started, key=lambda run: -started[run])
+
+
+def read_status(store: Store, run_id: str, *, max_events: int = 20) -> RunStatus:
+    """One prefix read of ``run_id`` turned into a :class:`RunStatus`."""
+    prefix = run_prefix(run_id)
+    items = store.get_prefix(prefix)
+    status = RunStatus(run_id=run_id, root=None)
+    alive = set()
+    hosts: dict[str, dict[str, Any]] = {}
+    for key, value in items.items():
+        kind, _, name = key[len(prefix):].partition("/")
+        try:
+            if kind == "root":
+                status.root = value.decode()
+            elif kind == "alive":
+                alive.add(name)
+            elif kind == "hosts":
+                hosts[name] = json.loads(value)
+            elif kind == "ranks":
+                status.ranks[int(name)] = json.loads(value)
+            elif kind == "events":
+                status.events.append(json.loads(value))
+        except (ValueError, UnicodeDecodeError):
+            logger.warning("unreadable store value at %s", key)
+    for name, record in sorted(hosts.items()):
+        state = record.get("state", "running")
+        record["alive"] = name in alive
+        record["status"] = "alive" if name in alive else (
+            "exited" if state == "exited" else "lost")
+        status.hosts.append(record)
+    status.events = sorted(status.events, key=lambda e: e.get("ts", 0))[-max_events:]
+    return status

@@ -1,0 +1,99 @@
+"""Coordination through the store: host records, root election and failover, status."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from etcd_server import EtcdServer
+from helpers import GEMINI, SCRIPTS, env_with, free_port, kill_group, run, start
+
+
+def _status(tmp: Path, *args: str) -> dict:
+    done = run([*GEMINI, "status", "--json", *args], env=env_with(tmp), timeout=60)
+    assert done.returncode == 0, done.output
+    return json.loads(done.stdout)
+
+
+def test_single_host_status_with_the_embedded_store(tmp_path: Path) -> None:
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "2",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                "--rdzv-id", "status-run", str(SCRIPTS / "train_ckpt.py"), "--steps", "8",
+                "--kill", "1:4:step"], env=env_with(tmp_path), timeout=180)
+    assert done.returncode == 0, done.output[-3000:]
+    status = _status(tmp_path)
+    assert status["schema"] == "gemini.status/v1" and status["run_id"] == "status-run"
+    (host,) = status["hosts"]
+    assert host["status"] == "exited" and host["ranks"] == [0, 1]
+    assert host["restart_count"] == 1 and host["round"] == 2
+    kinds = [e["event"] for e in status["events"]]
+    assert "worker_exit" in kinds and "restart" in kinds and "root_elected" in kinds
+    assert kinds[-1] == "exit"
+    assert _status(tmp_path, "--run-id", "status-run")["run_id"] == "status-run"
+    missing = run([*GEMINI, "status", "--run-id", "nope"], env=env_with(tmp_path))
+    assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+@pytest.mark.etcd
+def test_root_fails_over_within_the_ttl(tmp_path: Path) -> None:
+    """Two hosts on etcd; the root host dies; the other becomes root within the TTL and
+    records the lost host."""
+    with EtcdServer() as etcd:
+        port = free_port()
+
+        def host(node_rank: int) -> list[str]:
+            return [*GEMINI, "run", "--store", etcd.url, "--host-ttl", "2", "--nnodes", "2",
+                    "--node-rank", str(node_rank), "--nproc-per-node", "1",
+                    "--master-addr", "127.0.0.1", "--master-port", str(port),
+                    "--rdzv-id", "failover", str(SCRIPTS / "idle.py"), "60"]
+
+        # node 1 starts first and becomes root; node 0 hosts the static rendezvous
+        first = start(host(1), env=env_with(tmp_path, GEMINI_HOST_ID="h1"))
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                done = run([*GEMINI, "status", "--json", "--store", etcd.url, "--run-id",
+                            "failover"], env=env_with(tmp_path), timeout=60)
+                if done.returncode == 0 and json.loads(done.stdout)["root"] == "h1":
+                    break
+                assert time.monotonic() < deadline, done.output
+                time.sleep(0.2)
+            second = start(host(0), env=env_with(tmp_path, GEMINI_HOST_ID="h0"))
+            try:
+                deadline = time.monotonic() + 60
+                while len([h for h in _status(tmp_path, "--store", etcd.url, "--run-id",
+                                              "failover")["hosts"] if h["alive"]]) < 2:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.2)
+                time.sleep(1.0)
+                kill_group(first)
+                killed = time.monotonic()
+                while True:
+                    status = _status(tmp_path, "--store", etcd.url, "--run-id", "failover")
+                    if status["root"] == "h0":
+                        break
+                    assert time.monotonic() - killed < 2 + 3 + 5, status  # TTL + slack
+                    time.sleep(0.2)
+                hosts = {h["host"]: h["status"] for h in status["hosts"]}
+                assert hosts == {"h0": "alive", "h1": "lost"}
+                deadline = time.monotonic() + 10
+                while not any(e["event"] == "host_lost" and e["lost"] == "h1"
+                              for e in status["events"]):
+                    assert time.monotonic() < deadline, status["events"]
+                    time.sleep(0.2)
+                    status = _status(tmp_path, "--store", etcd.url, "--run-id", "failover")
+            finally:
+                kill_group(second)
+        finally:
+            kill_group(first)
+
+
+def test_unreachable_store_fails_fast(tmp_path: Path) -> None:
+    began = time.monotonic()
+    done = run([*GEMINI, "run", "--store", f"etcd://127.0.0.1:{free_port()}",
+                str(SCRIPTS / "idle.py"), "1"], env=env_with(tmp_path), timeout=60)
+    assert done.returncode == 3, done.output
+    assert time.monotonic() - began < 30
+    assert done.stderr.count("\n") == 1 and "gemini: error:" in done.stderr
