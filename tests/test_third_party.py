@@ -38,6 +38,8 @@ def _launch(launcher: tuple[str, ...], nodes: int, args: list[str], tmp: Path,
     for proc in procs:
         out, _ = proc.communicate(timeout=240)
         codes.append(proc.returncode)
+        if proc.returncode != 0:
+            print(f"--- {name} exited {proc.returncode}:\n{out[-3000:]}")
     return codes, log_dir
 
 
@@ -46,7 +48,7 @@ def test_kubeflow_demo_same_output(tmp_path: Path, nodes: int) -> None:
     script = [str(THIRD_PARTY / "kubeflow_cpu_demo.py")]
     theirs, their_logs = _launch(TORCHRUN, nodes, script, tmp_path, f"torchrun{nodes}")
     ours, our_logs = _launch((*GEMINI, "run"), nodes, script, tmp_path, f"gemini{nodes}")
-    assert theirs == ours == [0] * nodes
+    assert theirs == ours == [0] * nodes, (theirs, ours)
     expected = _rank_logs(their_logs)
     assert len(expected) == 2 and _rank_logs(our_logs) == expected
     assert expected[1][1] == "rank 1 world_size 2 result tensor([2])"
