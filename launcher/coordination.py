@@ -97,6 +97,7 @@ class CoordinationService:
         with self._lock:
             self._record.update(state="exited", heartbeat=time.time())
         try:
+            self._publish_steps()
             self._flush()
             self.store.put(self.prefix + f"hosts/{self.host_id}", _dump(self._record))
             self._lease.revoke()

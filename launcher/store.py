@@ -694,7 +694,17 @@ class EmbeddedStore:
         db = sqlite3.connect(self.path, timeout=self.timeout, isolation_level=None,
                              check_same_thread=False)
         try:
-            mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            # Switching a new file to WAL takes an exclusive lock and SQLite answers "locked"
+            # at once, without its busy handler, while another process does the same.
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                    break
+                except sqlite3.OperationalError as exc:
+                    if "locked" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
             if str(mode).lower() != "wal":
                 logger.warning("%s is not in WAL mode (%s): readers will wait for writers",
                                self.path, mode)

@@ -97,3 +97,32 @@ def test_unreachable_store_fails_fast(tmp_path: Path) -> None:
     assert done.returncode == 3, done.output
     assert time.monotonic() - began < 30
     assert done.stderr.count("\n") == 1 and "gemini: error:" in done.stderr
+
+
+@pytest.mark.etcd
+def test_training_survives_an_etcd_restart(tmp_path: Path) -> None:
+    with EtcdServer() as etcd:
+        proc = start([*GEMINI, "run", "--store", etcd.url, "--nproc-per-node", "2",
+                      "--rdzv-id", "etcd-restart", "--rdzv-backend", "c10d",
+                      "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                      str(SCRIPTS / "train_ckpt.py"), "--steps", "30", "--sleep", "0.15"],
+                     env=env_with(tmp_path))
+        try:
+            assert proc.stdout is not None
+            seen = []
+            for line in proc.stdout:
+                seen.append(line)
+                if line.startswith("step 5 "):
+                    break
+            etcd.stop()
+            time.sleep(3)
+            etcd.start()
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, "".join(seen)[-2000:] + out[-3000:]
+            assert "step 29 " in out
+        finally:
+            kill_group(proc)
+        status = _status(tmp_path, "--store", etcd.url, "--run-id", "etcd-restart")
+        (host,) = status["hosts"]
+        assert host["status"] == "exited"
+        assert {r["memory"] for r in status["ranks"].values()} == {29}

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from etcd_server import EtcdServer
@@ -548,3 +549,27 @@ def test_store_import_stays_light() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, timeout=60, check=True).stdout
     assert out.strip() == "[]"
+
+
+def _open_and_put(path: str, barrier: Any) -> None:
+    barrier.wait()
+    store = EmbeddedStore(path)
+    store.put("k", b"v")
+    store.close()
+
+
+def test_embedded_store_opened_by_many_processes_at_once(tmp_path: Path) -> None:
+    """A new file switched to WAL by several supervisors at the same moment: SQLite answers
+    "database is locked" without waiting; every opener must still succeed."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(10):
+        path = str(tmp_path / f"race{attempt}.db")
+        barrier = ctx.Barrier(6)
+        procs = [ctx.Process(target=_open_and_put, args=(path, barrier)) for _ in range(6)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=60)
+        assert [p.exitcode for p in procs] == [0] * 6
