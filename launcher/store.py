@@ -309,7 +309,36 @@ def _grpc() -> Any:
     return importlib.import_module("grpc")
 
 
-class EtcdStore:
+class _StoreBase:
+    """What both stores share: ``leader`` and the bookkeeping of watches and keep-alives."""
+
+    _lock: threading.RLock
+    _closed: bool
+    _watches: list[Any]
+    _keepalives: list[KeepAlive]
+
+    def get(self, key: str) -> bytes | None:
+        raise NotImplementedError
+
+    def leader(self, election: str) -> str | None:
+        value = self.get(election)
+        return None if value is None else value.decode()
+
+    def _stop_children(self) -> bool:
+        """Cancel the watches and stop the keep-alives; False if already closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            watches, self._watches = self._watches, []
+            keepalives, self._keepalives = self._keepalives, []
+        for watch in watches:
+            watch.cancel()
+        for keepalive in keepalives:
+            keepalive.stop()
+        return True
+
+
+class EtcdStore(_StoreBase):
     """A :class:`Store` on an etcd v3 cluster (via ``pyetcd``, from ``etcd-sdk-python``).
 
     ``endpoints`` are ``host:port`` strings of members of one cluster. A call goes to the
@@ -341,7 +370,7 @@ class EtcdStore:
                 timeout=timeout)
             for host, port in members]
         self._current = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._closed = False
         self._watches: list[_EtcdWatch] = []
         self._keepalives: list[KeepAlive] = []
@@ -489,21 +518,10 @@ class EtcdStore:
 
         return self._call("campaign", txn)
 
-    def leader(self, election: str) -> str | None:
-        value = self.get(election)
-        return None if value is None else value.decode()
-
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            watches, self._watches = self._watches, []
-            keepalives, self._keepalives = self._keepalives, []
-        for watch in watches:
-            watch.cancel()
-        for keepalive in keepalives:
-            keepalive.stop()
+        if not self._stop_children():
+            return
         self._closed = True
         for client in self._clients:
             try:
@@ -645,7 +663,7 @@ EVENT_RETENTION = 600.0
 _TRIM_EVERY = 30.0
 
 
-class EmbeddedStore:
+class EmbeddedStore(_StoreBase):
     """A :class:`Store` in one SQLite file, shared by every process on the host that
     opens it.
 
@@ -905,21 +923,10 @@ class EmbeddedStore:
 
         return self._write("campaign", campaign)
 
-    def leader(self, election: str) -> str | None:
-        value = self.get(election)
-        return None if value is None else value.decode()
-
     # -- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            watches, self._watches = self._watches, []
-            keepalives, self._keepalives = self._keepalives, []
-        for watch in watches:
-            watch.cancel()
-        for keepalive in keepalives:
-            keepalive.stop()
+        if not self._stop_children():
+            return
         with self._lock:
             self._closed = True
             self._db.close()
