@@ -247,6 +247,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self._layouts = [None, None]  # their tensors view the mappings
             for segment in self._segments:
                 if segment is not None:
                     segment.close()
@@ -348,6 +349,7 @@ class Checkpointer:
         segment = self._segments[index]
         if segment is None or segment.size < nbytes:
             reply = self._request({"op": "alloc", "rank": self.rank, "nbytes": nbytes})
+            self._layouts = [None, None]  # their tensors view mappings about to be replaced
             for i, name in enumerate(reply["slots"]):
                 old = self._segments[i]
                 if old is None or old.size < nbytes or not old.path.exists() or (
