@@ -22,9 +22,17 @@ def _rank_logs(log_dir: Path, attempt: int = 0) -> list[list[str]]:
                   for path in log_dir.glob(f"*/attempt_{attempt}/*/stdout.log"))
 
 
+# torch 2.13's gloo sometimes aborts a worker at interpreter exit, after its work is done,
+# when the script leaves its process group (and DDP) to be torn down at exit (see
+# third_party/README.md). gemini runs these scripts with restarts and must succeed;
+# torchrun, without restarts, may then fail with SIGABRT, which the tests accept.
+ABORT_AT_EXIT = "Signal 6 (SIGABRT)"
+
+
 def _launch(launcher: tuple[str, ...], nodes: int, args: list[str], tmp: Path,
             name: str) -> tuple[list[int], Path]:
-    """Run ``args`` on ``nodes`` local "hosts"; return exit codes and the log directory."""
+    """Run ``args`` on ``nodes`` local "hosts"; return exit codes (1 from torchrun only
+    with an abort at exit, counted as 0) and the log directory."""
     log_dir = tmp / name
     if nodes == 1:
         flags = ["--standalone", "--nproc-per-node", "2"]
@@ -37,7 +45,8 @@ def _launch(launcher: tuple[str, ...], nodes: int, args: list[str], tmp: Path,
     codes = []
     for proc in procs:
         out, _ = proc.communicate(timeout=240)
-        codes.append(proc.returncode)
+        aborted_at_exit = launcher == TORCHRUN and ABORT_AT_EXIT in out
+        codes.append(0 if aborted_at_exit and proc.returncode == 1 else proc.returncode)
         if proc.returncode != 0:
             print(f"--- {name} exited {proc.returncode}:\n{out[-3000:]}")
     return codes, log_dir
@@ -47,7 +56,8 @@ def _launch(launcher: tuple[str, ...], nodes: int, args: list[str], tmp: Path,
 def test_kubeflow_demo_same_output(tmp_path: Path, nodes: int) -> None:
     script = [str(THIRD_PARTY / "kubeflow_cpu_demo.py")]
     theirs, their_logs = _launch(TORCHRUN, nodes, script, tmp_path, f"torchrun{nodes}")
-    ours, our_logs = _launch((*GEMINI, "run"), nodes, script, tmp_path, f"gemini{nodes}")
+    ours, our_logs = _launch((*GEMINI, "run", "--max-restarts", "2"), nodes, script, tmp_path,
+                             f"gemini{nodes}")
     assert theirs == ours == [0] * nodes, (theirs, ours)
     expected = _rank_logs(their_logs)
     assert len(expected) == 2 and _rank_logs(our_logs) == expected
@@ -56,9 +66,7 @@ def test_kubeflow_demo_same_output(tmp_path: Path, nodes: int) -> None:
 
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_aws_ddp_trainer_same_output(tmp_path: Path, nodes: int) -> None:
-    """A DDP trainer with its own snapshot/resume logic. It sometimes aborts at exit after
-    its work is done (its DDP outlives its gloo group, see the README); gemini restarts
-    it then and the job still succeeds, torchrun fails: compare the first attempt."""
+    """A DDP trainer with its own snapshot/resume logic; compare the first attempt."""
     def script(name: str) -> list[str]:
         return [str(THIRD_PARTY / "aws_cpu_ddp.py"), "3", "1", "--checkpoint_path",
                 str(tmp_path / f"{name}.pt")]
@@ -66,8 +74,7 @@ def test_aws_ddp_trainer_same_output(tmp_path: Path, nodes: int) -> None:
     theirs, their_logs = _launch(TORCHRUN, nodes, script("t"), tmp_path, f"torchrun{nodes}")
     ours, our_logs = _launch((*GEMINI, "run", "--max-restarts", "2"), nodes, script("g"),
                              tmp_path, f"gemini{nodes}")
-    assert ours == [0] * nodes
-    assert all(code in (0, 1) for code in theirs)
+    assert ours == theirs == [0] * nodes, (ours, theirs)
     expected = [[line.replace("t.pt", "X") for line in lines] for lines in _rank_logs(their_logs)]
     got = [[line.replace("g.pt", "X") for line in lines] for lines in _rank_logs(our_logs)]
     assert got == expected and len(got) == 2
