@@ -16,7 +16,8 @@ _TORCHRUN_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "Workers per node: an integer, auto, cpu, gpu or xpu.  [default: 1]"),
     (("--node-rank", "--node_rank"), "node_rank", "Rank of this node (static backend)."),
     (("--rdzv-backend", "--rdzv_backend"), "rdzv_backend",
-     "Rendezvous backend: static, c10d, etcd, etcd-v2.  [default: static]"),
+     "Rendezvous backend: static, c10d, etcd, etcd-v2, or etcd-v3 (gemini's: torch's "
+     "dynamic rendezvous kept in etcd v3, survives any host).  [default: static]"),
     (("--rdzv-endpoint", "--rdzv_endpoint"), "rdzv_endpoint", "Rendezvous HOST[:PORT]."),
     (("--rdzv-id", "--rdzv_id"), "rdzv_id", "Job id shared by all nodes."),
     (("--rdzv-conf", "--rdzv_conf"), "rdzv_conf", "Rendezvous settings, k1=v1,k2=v2."),

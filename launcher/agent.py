@@ -285,6 +285,10 @@ def launch(config: RunConfig, command: Command, *,
     if not launch_config.run_id:
         launch_config.run_id = str(uuid.uuid4().int)
 
+    if launch_config.rdzv_backend == "etcd-v3":
+        from launcher.rendezvous import register
+
+        register()
     try:
         spec = _worker_spec(launch_config, entrypoint, tuple(entry_args))
     except (RendezvousError, DistError) as exc:

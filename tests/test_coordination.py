@@ -126,3 +126,38 @@ def test_training_survives_an_etcd_restart(tmp_path: Path) -> None:
         (host,) = status["hosts"]
         assert host["status"] == "exited"
         assert {r["memory"] for r in status["ranks"].values()} == {29}
+
+
+@pytest.mark.etcd
+def test_etcd_v3_rendezvous_survives_the_first_host(tmp_path: Path) -> None:
+    """With c10d the first host holds the rendezvous and the job dies with it; with
+    etcd-v3 the other host carries on alone (elastic 1:2) and the job finishes."""
+    with EtcdServer() as etcd:
+        def host(name: str, steps: int) -> list[str]:
+            return [*GEMINI, "run", "--nnodes", "1:2", "--nproc-per-node", "1",
+                    "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                    "--rdzv-id", "v3", "--rdzv-conf", "last_call_timeout=1",
+                    "--max-restarts", "3", "--store", etcd.url,
+                    str(SCRIPTS / "train_ckpt.py"), "--steps", str(steps), "--sleep", "0.05"]
+
+        first = start(host("h0", 400), env=env_with(tmp_path, GEMINI_HOST_ID="h0"))
+        second = start(host("h1", 400), env=env_with(tmp_path, GEMINI_HOST_ID="h1"))
+        try:
+            assert second.stdout is not None
+            lines = []
+            for line in second.stdout:
+                lines.append(line)
+                if line.startswith("resume rank="):  # both hosts are training
+                    break
+            time.sleep(3)
+            assert first.poll() is None and second.poll() is None
+            kill_group(first)
+            out, _ = second.communicate(timeout=180)
+            output = "".join(lines) + out
+            assert second.returncode == 0, output[-4000:]
+            # the survivor went on alone: restarted as rank 0 of a world of 1
+            assert "resume rank=0 start=0 attempt=1" in out, output[-4000:]
+            assert "step 399 " in out
+        finally:
+            kill_group(first)
+            kill_group(second)

@@ -1,0 +1,149 @@
+"""``--rdzv-backend etcd-v3``: torch's dynamic rendezvous kept in etcd v3, which no host owns.
+
+torch's own etcd backends speak the legacy v2 API, and its c10d backend keeps the
+rendezvous in a TCP store on one of the hosts, so the job dies with that host. This
+module plugs gemini's :class:`~launcher.store.Store` into torch's
+``DynamicRendezvousHandler``: :class:`StoreRendezvousBackend` holds the rendezvous state
+(compare-and-set on one key) and :class:`TorchStore` is the ``torch.distributed.Store``
+the agents exchange their round's data through. ``register()`` makes the backend
+available to torch's rendezvous registry in this process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+from torch._C._distributed_c10d import Store as _TorchStoreBase
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    Token,
+    create_handler,
+)
+
+from launcher.errors import StoreError
+from launcher.store import Store, open_store
+
+BACKEND = "etcd-v3"
+_POLL = 0.02
+
+
+class StoreRendezvousBackend(RendezvousBackend):
+    """The rendezvous state of one run in one key; the token is the state's bytes."""
+
+    def __init__(self, store: Store, run_id: str) -> None:
+        self._store = store
+        self._key = f"gemini/rdzv/{run_id}/state"
+
+    @property
+    def name(self) -> str:
+        return BACKEND
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        value = self._call(self._store.get, self._key)
+        return None if value is None else (value, value)
+
+    def set_state(self, state: bytes, token: Token | None = None
+                  ) -> tuple[bytes, Token, bool] | None:
+        expected = token if isinstance(token, bytes) else None
+        if token is not None and expected is None:  # a token from elsewhere: refuse to set
+            current = self.get_state()
+            return None if current is None else (*current, False)
+        if self._call(self._store.compare_and_set, self._key, expected, state):
+            return state, state, True
+        current = self.get_state()
+        return None if current is None else (*current, False)
+
+    @staticmethod
+    def _call(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except StoreError as exc:
+            raise RendezvousConnectionError(str(exc)) from exc
+
+
+class TorchStore(_TorchStoreBase):
+    """A ``torch.distributed.Store`` over a gemini store (keys under ``prefix``).
+
+    ``get`` and ``wait`` poll until the keys exist or the store's timeout passes.
+    """
+
+    def __init__(self, store: Store, prefix: str,
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=600)) -> None:
+        super().__init__()
+        self._store = store
+        self._prefix = prefix
+        self.set_timeout(timeout)
+
+    def _key(self, key: str) -> str:
+        return self._prefix + key
+
+    def set(self, key: str, value: bytes | str) -> None:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        self._call(self._store.put, self._key(key), data)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        value = self._call(self._store.get, self._key(key))
+        if value is None:
+            raise LookupError(f"key {key!r} disappeared")
+        return bytes(value)
+
+    def add(self, key: str, num: int) -> int:
+        full = self._key(key)
+        while True:
+            current = self._call(self._store.get, full)
+            value = (int(current) if current is not None else 0) + num
+            if self._call(self._store.compare_and_set, full, current, str(value).encode()):
+                return value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._call(self._store.get, self._key(k)) is not None for k in keys)
+
+    def wait(self, keys: list[str], override_timeout: datetime.timedelta | None = None) -> None:
+        # ``self.timeout`` is the C++ base class's, which mypy cannot see.
+        timeout: datetime.timedelta = override_timeout or self.timeout  # type: ignore[attr-defined]
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout} waiting for keys {keys}")
+            time.sleep(_POLL)
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self._call(self._store.delete, self._key(key)))
+
+    def num_keys(self) -> int:
+        return len(self._call(self._store.get_prefix, self._prefix))
+
+    @staticmethod
+    def _call(fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except StoreError as exc:
+            raise RuntimeError(str(exc)) from exc
+
+
+def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's dynamic rendezvous with its state and store in etcd v3 at ``params.endpoint``."""
+    if not params.endpoint:
+        raise ValueError("--rdzv-backend etcd-v3 needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]")
+    store = open_store(f"etcd://{params.endpoint}")
+    backend = StoreRendezvousBackend(store, params.run_id)
+    torch_store = TorchStore(store, f"gemini/rdzv/{params.run_id}/kv/")
+    return create_handler(torch_store, backend, params)
+
+
+def register() -> None:
+    """Make ``--rdzv-backend etcd-v3`` available in this process (idempotent)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
+
+    try:
+        registry.register(BACKEND, create_etcd_v3_handler)
+    except ValueError:  # already registered
+        pass
