@@ -78,10 +78,10 @@ def _torch_agent_base() -> type:
     return LocalElasticAgent
 
 
-def make_agent(*args: Any, events: EventLog, services: Sequence[SupervisorService],
-               **kwargs: Any) -> Any:
+def make_agent(*args: Any, events: EventLog, host_id: str,
+               services: Sequence[SupervisorService], **kwargs: Any) -> Any:
     """Build a :class:`GeminiAgent` (defined lazily: importing it imports torch)."""
-    return _agent_class()(*args, events=events, services=services, **kwargs)
+    return _agent_class()(*args, events=events, host_id=host_id, services=services, **kwargs)
 
 
 _AGENT_CLASS: type | None = None
@@ -101,10 +101,12 @@ def _define_agent(base: type) -> type:
     class GeminiAgent(base):  # type: ignore[misc]
         """LocalElasticAgent plus a per-round worker store, events and services."""
 
-        def __init__(self, *args: Any, events: EventLog,
+        def __init__(self, *args: Any, events: EventLog, host_id: str,
                      services: Sequence[SupervisorService], **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._events = events
+            self._host_id = host_id
+            self._slot: int | None = None  # this host's node slot in the last round
             self._services = list(services)
             self._round = 0
             self._worker_store: TCPStore | None = None
@@ -113,34 +115,67 @@ def _define_agent(base: type) -> type:
 
         # -- rendezvous: a fresh store for the workers of every round ------------------
         def _rendezvous(self, worker_group: WorkerGroup) -> None:
-            super()._rendezvous(worker_group)
+            """torch elastic's rendezvous, with stable node slots as group ranks."""
+            spec = worker_group.spec
+            with self.record_duration("RENDEZVOUS"):
+                rdzv_info = spec.rdzv_handler.next_rendezvous()
+            store, world_size = rdzv_info.store, rdzv_info.world_size
             self._round += 1
             # Dynamic backends hand out a store scoped to the round; the static backend's
-            # store lives for the whole run, where only restarts start a new round.
-            scope = "gemini/"
-            if worker_group.spec.rdzv_handler.get_backend() == "static":
-                scope += f"{self._restart_count(worker_group)}/"
-            assert worker_group.store is not None  # set by super()._rendezvous
-            self._round_store = PrefixStore(scope, worker_group.store)
-            if worker_group.spec.rdzv_handler.use_agent_store:
-                self._publish_worker_store(worker_group, self._round_store)
+            # store lives for the whole run, where only restarts start a new round (and
+            # node ranks are fixed by --node-rank).
+            static = spec.rdzv_handler.get_backend() == "static"
+            scope = f"gemini/{self._restart_count(worker_group)}/" if static else "gemini/"
+            self._round_store = PrefixStore(scope, store)
+            group_rank = rdzv_info.rank if static else self._stable_slot(
+                self._round_store, rdzv_info.rank, world_size)
+            bootstrap = rdzv_info.bootstrap_store_info
+            assert bootstrap is not None  # every torch backend sets it
+            self._store = store
+            with self.record_duration("ASSIGN_WORKER_RANKS"):
+                workers = self._assign_worker_ranks(store, group_rank, world_size, spec)
+            # WorkerGroup types these attributes as None; torch's _rendezvous sets them too.
+            worker_group.workers = workers
+            worker_group.store = store  # type: ignore[assignment]
+            worker_group.group_rank = group_rank  # type: ignore[assignment]
+            worker_group.group_world_size = world_size  # type: ignore[assignment]
+            worker_group.master_addr = spec.master_addr or bootstrap.master_addr  # type: ignore[assignment]
+            worker_group.master_port = spec.master_port or bootstrap.master_port  # type: ignore[assignment]
+            if spec.rdzv_handler.use_agent_store:
+                own_addr = (bootstrap.master_addr if rdzv_info.rank == 0 or static
+                            else spec.local_addr or socket.getfqdn())
+                self._publish_worker_store(worker_group, self._round_store, own_addr)
             self._events.write(
                 "rendezvous",
                 round=self._round,
-                group_rank=worker_group.group_rank,
-                group_world_size=worker_group.group_world_size,
+                group_rank=group_rank,
+                group_world_size=world_size,
                 restart_count=self._restart_count(worker_group),
                 master_addr=worker_group.master_addr,
                 master_port=worker_group.master_port,
-                ranks=[w.global_rank for w in worker_group.workers],
+                ranks=[w.global_rank for w in workers],
             )
 
-        def _publish_worker_store(self, worker_group: WorkerGroup, store: Store) -> None:
+        def _stable_slot(self, store: Store, member: int, world_size: int) -> int:
+            """Exchange (host, previous slot) with the round's other members; see
+            ``launcher.rendezvous.assign_slots``."""
+            from launcher.rendezvous import assign_slots
+
+            store.set(f"slot/{member}", json.dumps([self._host_id, self._slot]))
+            members = {}
+            for other in range(world_size):
+                host, previous = json.loads(store.get(f"slot/{other}"))
+                members[other] = (str(host), previous)
+            self._slot = assign_slots(members, world_size)[member]
+            return self._slot
+
+        def _publish_worker_store(self, worker_group: WorkerGroup, store: Store,
+                                  own_addr: str) -> None:
             """Group rank 0 hosts a new TCPStore for this round's workers; all agents point
             MASTER_ADDR/MASTER_PORT at it. Keys of earlier rounds cannot leak into it."""
             self._worker_store = None  # the previous round's server shuts down
             if worker_group.group_rank == 0:
-                host = str(worker_group.master_addr)
+                host = str(own_addr)
                 self._worker_store = TCPStore(host_name=host, port=0, is_master=True,
                                               wait_for_workers=False)
                 address: list[Any] = [host, self._worker_store.port]
@@ -339,6 +374,7 @@ def launch(config: RunConfig, command: Command, *,
             log_line_prefix_template=launch_config.log_line_prefix_template,
             shutdown_timeout=launch_config.shutdown_timeout,
             events=events,
+            host_id=owner.host_id,
             services=services,
         )
         events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,

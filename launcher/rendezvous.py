@@ -147,3 +147,26 @@ def register() -> None:
         registry.register(BACKEND, create_etcd_v3_handler)
     except ValueError:  # already registered
         pass
+
+
+def assign_slots(members: dict[int, tuple[str, int | None]], world_size: int) -> dict[int, int]:
+    """Stable node slots: survivors keep theirs, newcomers take the free ones.
+
+    ``members`` maps each member's rank in this round (as torch's rendezvous numbered it)
+    to ``(host id, the slot it held before or None)``. A member keeps its previous slot
+    when that slot still exists and no one else claims it; the others take the free slots
+    in order of host id, so a replacement takes the slot (and so the ranks) of the host it
+    replaces. Returns the slot of every member. A pure function: every supervisor computes
+    the same answer from the same round.
+    """
+    slots: dict[int, int] = {}
+    claimed: dict[int, int] = {}
+    for member, (_, previous) in sorted(members.items(), key=lambda m: m[1][0]):
+        if previous is not None and 0 <= previous < world_size and previous not in claimed:
+            claimed[previous] = member
+            slots[member] = previous
+    free = iter(sorted(set(range(world_size)) - set(claimed)))
+    for member, _ in sorted(members.items(), key=lambda m: m[1][0]):
+        if member not in slots:
+            slots[member] = next(free)
+    return slots

@@ -98,3 +98,4 @@ def test_template_config_is_valid(tmp_path: Path) -> None:
     path = tmp_path / "gemini.yaml"
     path.write_text(text)
     assert RunConfig(**read_config_file(path)) == RunConfig()
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -161,3 +162,47 @@ def test_etcd_v3_rendezvous_survives_the_first_host(tmp_path: Path) -> None:
         finally:
             kill_group(first)
             kill_group(second)
+
+
+@pytest.mark.etcd
+def test_replacement_host_takes_the_lost_slot(tmp_path: Path) -> None:
+    """h0 and h1 train; h0 dies; a new host h2 joins and gets h0's node slot (and so its
+    ranks) while h1 keeps its own, although torch numbers the members differently."""
+    from helpers import events
+
+    with EtcdServer() as etcd:
+        def host(name: str) -> subprocess.Popen[str]:
+            cmd = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                   "--rdzv-id", "slots", "--max-restarts", "3", "--store", etcd.url,
+                   str(SCRIPTS / "train_ckpt.py"), "--steps", "120", "--sleep", "0.05"]
+            return start(cmd, env=env_with(tmp_path, GEMINI_HOST_ID=name))
+
+        def slots() -> dict[str, list[int]]:
+            found: dict[str, list[int]] = {}
+            for e in events(tmp_path / "runs"):
+                if e["event"] == "rendezvous":
+                    found.setdefault(str(e["host"]), []).append(int(e["group_rank"]))
+            return found
+
+        h0, h1 = host("h0"), host("h1")
+        h2 = None
+        try:
+            deadline = time.monotonic() + 60
+            while len(slots()) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            first = slots()
+            time.sleep(2)
+            kill_group(h0)
+            h2 = host("h2")
+            out, _ = h1.communicate(timeout=180)
+            assert h1.returncode == 0, out[-3000:]
+            assert h2.wait(timeout=60) == 0
+            final = slots()
+            assert final["h1"][0] == first["h1"][0] and len(set(final["h1"])) == 1, final
+            assert final["h2"][-1] == first["h0"][0], final
+        finally:
+            for proc in (h0, h1, h2):
+                if proc is not None:
+                    kill_group(proc)
