@@ -247,6 +247,9 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            # Let the model (a DDP wrapper, say) go when the script lets it go: a DDP that
+            # outlives destroy_process_group can abort the process at exit under gloo.
+            self.model, self.optimizer, self.extra = None, None, {}
             self._layouts = [None, None]  # their tensors view the mappings
             for segment in self._segments:
                 if segment is not None:

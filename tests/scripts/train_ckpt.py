@@ -97,7 +97,7 @@ for step in range(start, args.steps):
     if args.sleep:
         time.sleep(args.sleep)
 
-ckpt.wait()
+ckpt.close()
 if rank == 0 and args.out:
     torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "samples": extra["progress"]["samples"],
                 "rng": torch.get_rng_state()}, args.out)
