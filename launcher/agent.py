@@ -6,6 +6,7 @@ the stock agent. The agent keeps torch elastic's monitor/restart loop and adds:
 
 * a fresh worker TCP store every rendezvous round, so restarted gloo workers never read
   the previous round's addresses (torchrun reuses one store: pytorch/pytorch#135712);
+* stable node slots with a dynamic rendezvous (``launcher.rendezvous.assign_slots``);
 * JSON-lines events (rendezvous, start, worker exit, restart, stop, exit);
 * extension points (:class:`SupervisorService`) where the memory, replication, health
   and persistence services plug in.
@@ -55,9 +56,8 @@ class SupervisorService(Protocol):
     Calls happen on the agent's thread: ``before_start`` once a round's ranks are known
     and before its workers start (``store`` is a key-value store shared by every host's
     supervisor and private to this round), ``after_start`` once they run, ``after_stop``
-    when the round's workers have
-    exited or been stopped, ``check`` on every monitor tick (raise a ``GeminiError`` to
-    end the job), ``close`` once when the supervisor ends. Services may set ``GEMINI_*``
+    when the round's workers have exited or been stopped, ``check`` on every monitor tick
+    (raise a ``GeminiError`` to end the job), ``close`` once when the supervisor ends. Services may set ``GEMINI_*``
     variables in ``os.environ`` in ``before_start``: the workers inherit them.
     """
 
