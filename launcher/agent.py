@@ -57,8 +57,9 @@ class SupervisorService(Protocol):
     and before its workers start (``store`` is a key-value store shared by every host's
     supervisor and private to this round), ``after_start`` once they run, ``after_stop``
     when the round's workers have exited or been stopped, ``check`` on every monitor tick
-    (raise a ``GeminiError`` to end the job), ``close`` once when the supervisor ends. Services may set ``GEMINI_*``
-    variables in ``os.environ`` in ``before_start``: the workers inherit them.
+    (raise a ``GeminiError`` to end the job), ``close`` once when the supervisor ends.
+    Services may set ``GEMINI_*`` variables in ``os.environ`` in ``before_start``: the
+    workers inherit them.
     """
 
     def before_start(self, group: WorkerGroup, store: Store) -> None: ...
