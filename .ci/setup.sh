@@ -16,9 +16,17 @@ if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null
     say "gemini needs Python >= 3.10 (found: $("$PYTHON" --version 2>&1)); set PYTHON=/path/to/python3.x"
     exit 1
 fi
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
 if [ ! -x "$VENV/bin/python" ]; then
     say "creating virtual environment $VENV"
-    "$PYTHON" -m venv "$VENV"
+    if ! "$PYTHON" -m venv "$VENV" 2>/dev/null; then
+        rm -rf "$VENV"
+        say "the venv module is missing: installing Debian's python3-venv"
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq python3-venv >/dev/null
+        "$PYTHON" -m venv "$VENV"
+    fi
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
@@ -31,8 +39,6 @@ say "installing gemini (editable) and its dependencies"
 "${PIP[@]}" install numpy -e "$ROOT$EXTRAS"
 
 if [ "$WHAT" = test ] && ! command -v etcd >/dev/null 2>&1; then
-    SUDO=""
-    [ "$(id -u)" -ne 0 ] && SUDO="sudo"
     say "installing etcd (Debian package etcd-server)"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client >/dev/null
