@@ -28,7 +28,8 @@ GEMINI = [sys.executable, "-m", "gemini_cli", "run"]
 
 
 def say(text: str) -> None:
-    print(f"\033[1;36mdemo:\033[0m {text}", flush=True)
+    label = "\033[1;36mdemo:\033[0m" if sys.stdout.isatty() else "demo:"
+    print(f"{label} {text}", flush=True)
 
 
 def worker_pid(run_root: Path, rank: int) -> int | None:
