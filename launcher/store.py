@@ -324,6 +324,13 @@ class _StoreBase:
         value = self.get(election)
         return None if value is None else value.decode()
 
+    def keep_alive(self, lease: Lease) -> KeepAlive:
+        keepalive = KeepAlive(lease)
+        with self._lock:
+            self._keepalives = [k for k in self._keepalives if not k._stopped.is_set()]
+            self._keepalives.append(keepalive)
+        return keepalive
+
     def _stop_children(self) -> bool:
         """Cancel the watches and stop the keep-alives; False if already closed."""
         with self._lock:
@@ -477,13 +484,6 @@ class EtcdStore(_StoreBase):
                     raise
 
         self._call("revoke-lease", revoke)
-
-    def keep_alive(self, lease: Lease) -> KeepAlive:
-        keepalive = KeepAlive(lease)
-        with self._lock:
-            self._keepalives = [k for k in self._keepalives if not k._stopped.is_set()]
-            self._keepalives.append(keepalive)
-        return keepalive
 
     # -- watches ---------------------------------------------------------------------------
     def watch_prefix(self, prefix: str, callback: WatchCallback) -> Watch:
@@ -886,13 +886,6 @@ class EmbeddedStore(_StoreBase):
 
     def _revoke_lease(self, lease_id: int) -> None:
         self._write("revoke-lease", lambda db, now: self._drop_lease(db, lease_id, now))
-
-    def keep_alive(self, lease: Lease) -> KeepAlive:
-        keepalive = KeepAlive(lease)
-        with self._lock:
-            self._keepalives = [k for k in self._keepalives if not k._stopped.is_set()]
-            self._keepalives.append(keepalive)
-        return keepalive
 
     # -- watches ---------------------------------------------------------------------------
     def watch_prefix(self, prefix: str, callback: WatchCallback) -> Watch:
