@@ -240,7 +240,8 @@ class Checkpointer:
             raise error
 
     def close(self) -> None:
-        """Finish the pending copy and release the slots (the supervisor keeps them)."""
+        """Finish the pending copy, release the slots (the supervisor keeps them) and the
+        references to the model, optimizer and ``extra``. Called at exit too."""
         if self._closed:
             return
         try:
