@@ -80,9 +80,9 @@ def free_port() -> int:
 
 def events(run_root: Path) -> list[dict[str, object]]:
     """Every event of every run under ``run_root``, in file order."""
-    import json
+    from launcher.events import EVENTS_FILE, read_events
 
     found: list[dict[str, object]] = []
-    for path in sorted(run_root.glob("*/events.jsonl")):
-        found.extend(json.loads(line) for line in path.read_text().splitlines() if line)
+    for path in sorted(run_root.glob(f"*/{EVENTS_FILE}")):
+        found.extend(read_events(path.parent))
     return found

@@ -57,6 +57,17 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
+def _save_two_steps() -> None:
+    """Train and save steps 0 and 1 through a real Checkpointer, then close it."""
+    model, opt = _model()
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+    for step in range(2):
+        _train(model, opt)
+        ckpt.save(step)
+    ckpt.close()
+
+
 def test_choose_step() -> None:
     assert choose_step({0: [3, 4], 1: [4, 5]}, 2) == 4
     assert choose_step({0: [3, 4], 1: [5]}, 2) is None
@@ -115,13 +126,7 @@ def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.Monkey
 
 
 def test_flipped_byte_falls_back_to_older_slot(supervisor: SlotServer) -> None:
-    model, opt = _model()
-    ckpt = hook.Checkpointer(model=model, optimizer=opt)
-    ckpt.restore()
-    for step in range(2):
-        _train(model, opt)
-        ckpt.save(step)
-    ckpt.close()
+    _save_two_steps()
     owner = supervisor.owner
     assert owner.holdings([0], 1) == {0: [0, 1]}
     newest = next(s for s in memory.iter_slots(owner.prefix) if s.valid_step == 1)
@@ -233,13 +238,7 @@ def test_inspect_command_reports_and_verifies(supervisor: SlotServer) -> None:
 
     from helpers import GEMINI, run
 
-    model, opt = _model()
-    ckpt = hook.Checkpointer(model=model, optimizer=opt)
-    ckpt.restore()
-    for step in range(2):
-        _train(model, opt)
-        ckpt.save(step)
-    ckpt.close()
+    _save_two_steps()
     run_id = supervisor.owner.run_id
     done = run([*GEMINI, "inspect", "--run-id", run_id, "--json", "--tensors"])
     report = json.loads(done.stdout)
