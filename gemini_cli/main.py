@@ -13,7 +13,9 @@ import click
 
 from gemini_cli.clean import clean_command
 from gemini_cli.errors import INTERNAL_EXIT, USAGE_EXIT, exit_code
+from gemini_cli.export import export_command
 from gemini_cli.inspect import inspect_command
+from gemini_cli.plan import plan_command
 from gemini_cli.run import run_command
 from gemini_cli.status import status_command
 from gemini_cli.template import template_command
@@ -36,6 +38,8 @@ cli.add_command(status_command)
 cli.add_command(inspect_command)
 cli.add_command(clean_command)
 cli.add_command(template_command)
+cli.add_command(plan_command)
+cli.add_command(export_command)
 
 
 def _fail(message: str, code: int) -> int:

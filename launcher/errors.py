@@ -36,6 +36,10 @@ class StorageError(GeminiError):
     """Shared memory or persistent storage cannot hold or return a checkpoint."""
 
 
+class ReplicationError(StorageError):
+    """A peer host's transport failed, refused a request, or sent data that did not verify."""
+
+
 class CheckpointError(GeminiError):
     """A checkpoint is missing, corrupt, or does not match the model."""
 

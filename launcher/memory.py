@@ -31,7 +31,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -95,20 +95,33 @@ def segment_prefix(run_id: str, host_id: str) -> str:
     return f"{PREFIX}{run_key(run_id)}-{host_key(host_id)}-"
 
 
-def slot_name(prefix: str, rank: int, index: int) -> str:
-    """Name of slot ``index`` (0 or 1) of global ``rank``."""
-    return f"{prefix}r{rank}-s{index}"
+def slot_name(prefix: str, rank: int, index: int, *, replica: bool = False) -> str:
+    """Name of slot ``index`` (0 or 1) of global ``rank``: this host's own copy, or with
+    ``replica`` the copy this host keeps for a peer host (see ``launcher.replication``)."""
+    return f"{prefix}{'x' if replica else 'r'}{rank}-s{index}"
 
 
-_SLOT_NAME = re.compile(r"^(?P<prefix>gemini-[0-9a-f]{12}-[A-Za-z0-9_.]+-)r(?P<rank>\d+)-s(?P<index>[01])$")
+_SLOT_NAME = re.compile(
+    r"^(?P<prefix>gemini-[0-9a-f]{12}-[A-Za-z0-9_.]+-)(?P<kind>[rx])(?P<rank>\d+)-s(?P<index>[01])$")
 
 
-def parse_slot_name(name: str) -> tuple[str, int, int] | None:
-    """``(prefix, rank, index)`` of a slot segment name, or None for other files."""
+class SlotName(NamedTuple):
+    """The parts of a slot segment's name."""
+
+    prefix: str
+    rank: int
+    slot: int
+    """0 or 1: which of the rank's two slots."""
+    replica: bool
+
+
+def parse_slot_name(name: str) -> SlotName | None:
+    """The parts of a slot segment name, or None for other files."""
     match = _SLOT_NAME.match(name)
     if not match:
         return None
-    return match.group("prefix"), int(match.group("rank")), int(match.group("index"))
+    return SlotName(match.group("prefix"), int(match.group("rank")), int(match.group("index")),
+                    match.group("kind") == "x")
 
 
 def list_segments(prefix: str = PREFIX) -> list[str]:
@@ -225,6 +238,37 @@ def write_commit(buf: mmap.mmap, *, step: int, seq: int, rank: int, world_size: 
     set_state(buf, SlotState.COMMITTED)
 
 
+def unchanged(buf: mmap.mmap, header: SlotHeader) -> bool:
+    """Whether the slot still holds the committed step ``header`` describes: a reader that
+    copied the slot's bytes without a lock checks this afterwards (a writer flips the state
+    to WRITING before it changes any byte, and every commit has a new ``seq``)."""
+    now = read_header(buf)
+    return (now is not None and now.state is SlotState.COMMITTED and now.seq == header.seq
+            and now.step == header.step)
+
+
+def commit_received(buf: mmap.mmap, header: SlotHeader, meta: bytes) -> None:
+    """Commit a slot whose tensor bytes were written (at ``HEADER_SIZE``) by a copy from
+    elsewhere (a peer host, a file): check the metadata against ``header.meta_hash``, verify
+    every checksum, then commit with ``header``'s step, seq, rank and world size. The slot
+    must be in the WRITING state. Raises CheckpointError and leaves it WRITING on any
+    mismatch."""
+    if xxhash.xxh3_64_intdigest(meta) != header.meta_hash:
+        raise CheckpointError("metadata checksum mismatch")
+    if HEADER_SIZE + header.data_len > len(buf):
+        raise CheckpointError(f"{header.data_len} data bytes do not fit a {len(buf)}-byte slot")
+    try:
+        decoded = json.loads(meta)
+        verify(buf, SlotHeader(SlotState.COMMITTED, header.step, header.seq, header.rank,
+                               header.world_size, header.data_len, 0, 0, 0, len(buf),
+                               header.run_id), decoded)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"malformed metadata: {exc}") from None
+    write_commit(buf, step=header.step, seq=header.seq, rank=header.rank,
+                 world_size=header.world_size, run_id=header.run_id,
+                 data_len=header.data_len, meta=meta)
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -293,6 +337,8 @@ class SlotInfo:
     header: SlotHeader | None
     meta: dict[str, Any] | None
     error: str | None
+    replica: bool = False
+    """A copy this host keeps for a peer host, not its own."""
 
     @property
     def valid_step(self) -> int | None:
@@ -307,7 +353,8 @@ class SlotInfo:
 def describe(segment: Segment, *, check: bool = True) -> SlotInfo:
     """Read (and with ``check`` verify) a mapped slot without modifying it."""
     parsed = parse_slot_name(segment.name)
-    rank, index = (parsed[1], parsed[2]) if parsed else (-1, -1)
+    rank, index = (parsed.rank, parsed.slot) if parsed else (-1, -1)
+    replica = parsed.replica if parsed else False
     header = read_header(segment.view)
     meta: dict[str, Any] | None = None
     error: str | None = None
@@ -320,7 +367,7 @@ def describe(segment: Segment, *, check: bool = True) -> SlotInfo:
                 verify(segment.view, header, meta)
         except (CheckpointError, ValueError, KeyError) as exc:
             error = str(exc)
-    return SlotInfo(segment.name, rank, index, segment.size, header, meta, error)
+    return SlotInfo(segment.name, rank, index, segment.size, header, meta, error, replica)
 
 
 def inspect_slot(name: str, *, check: bool = True) -> SlotInfo:
@@ -329,7 +376,7 @@ def inspect_slot(name: str, *, check: bool = True) -> SlotInfo:
         segment = attach_segment(name, populate=False)
     except StorageError as exc:
         parsed = parse_slot_name(name)
-        rank, index = (parsed[1], parsed[2]) if parsed else (-1, -1)
+        rank, index = (parsed.rank, parsed.slot) if parsed else (-1, -1)
         return SlotInfo(name, rank, index, 0, None, None, str(exc))
     try:
         return describe(segment, check=check)

@@ -69,6 +69,7 @@ class SlotOwner:
         self._fixed = fixed_host_id
         self._lock = threading.Lock()
         self._slots: dict[int, list[memory.Segment | None]] = {}
+        self._replicas: dict[int, list[memory.Segment | None]] = {}  # copies for peer hosts
         for n in range(1 if fixed_host_id else 1024):
             self.host_id = host_id if n == 0 else f"{host_id}-{n}"
             self.prefix = memory.segment_prefix(run_id, self.host_id)
@@ -101,9 +102,10 @@ class SlotOwner:
             parsed = memory.parse_slot_name(name)
             if parsed is None:
                 continue
-            _, rank, index = parsed
+            pairs = self._replicas if parsed.replica else self._slots
             try:
-                self._slots.setdefault(rank, [None, None])[index] = memory.attach_segment(name)
+                pairs.setdefault(parsed.rank, [None, None])[parsed.slot] = (
+                    memory.attach_segment(name))
                 adopted += 1
             except StorageError:
                 continue
@@ -121,37 +123,82 @@ class SlotOwner:
     def close(self) -> None:
         """Unmap and unlink every slot and the owner file (idempotent)."""
         with self._lock:
-            for pair in self._slots.values():
+            for pair in [*self._slots.values(), *self._replicas.values()]:
                 for segment in pair:
                     if segment is not None:
                         segment.close()
                         memory.unlink_segment(segment.name)
             self._slots.clear()
+            self._replicas.clear()
             for name in memory.list_segments(self.prefix):
                 memory.unlink_segment(name)
 
     # -- allocation -----------------------------------------------------------------------
-    def allocate(self, rank: int, nbytes: int) -> list[str]:
-        """Make both slots of ``rank`` hold at least ``nbytes``; return their names.
+    def allocate(self, rank: int, nbytes: int, *, replica: bool = False) -> list[str]:
+        """Make both slots of ``rank`` (with ``replica``, both replica slots) hold at least
+        ``nbytes``; return their names.
 
         A slot that is too small is recreated, unless it holds the rank's newest committed
         step: that one is grown on the next request, once the other slot has taken over.
         """
         with self._lock:
-            pair = self._slots.setdefault(rank, [None, None])
+            self._allocate(rank, nbytes, replica)
+            return [memory.slot_name(self.prefix, rank, i, replica=replica) for i in range(2)]
+
+    def _allocate(self, rank: int, nbytes: int, replica: bool) -> list[memory.Segment | None]:
+        pair = (self._replicas if replica else self._slots).setdefault(rank, [None, None])
+        newest = self._newest_index(pair)
+        grow = [i for i, seg in enumerate(pair)
+                if (seg is None or seg.size < nbytes) and i != newest]
+        self._check_capacity(pair, grow, nbytes)
+        for i in grow:
+            old = pair[i]
+            if old is not None:
+                old.close()
+                pair[i] = None
+            name = memory.slot_name(self.prefix, rank, i, replica=replica)
+            segment = memory.create_segment(name, nbytes)
+            memory.init_header(segment.view, rank=rank, run_id=self.run_id)
+            pair[i] = segment
+        return pair
+
+    def write_target(self, rank: int, nbytes: int, *, replica: bool) -> memory.Segment:
+        """The slot of ``rank`` that a copy from elsewhere (a peer, a file) may overwrite:
+        one of at least ``nbytes`` that does not hold the newest committed step, already
+        marked WRITING. With ``replica`` a replica slot, else one of the rank's own slots
+        (only while no worker of this host runs)."""
+        with self._lock:
+            pair = self._allocate(rank, nbytes, replica)
             newest = self._newest_index(pair)
-            grow = [i for i, seg in enumerate(pair)
-                    if (seg is None or seg.size < nbytes) and i != newest]
-            self._check_capacity(pair, grow, nbytes)
-            for i in grow:
-                old = pair[i]
-                if old is not None:
-                    old.close()
-                    pair[i] = None
-                segment = memory.create_segment(memory.slot_name(self.prefix, rank, i), nbytes)
-                memory.init_header(segment.view, rank=rank, run_id=self.run_id)
-                pair[i] = segment
-            return [memory.slot_name(self.prefix, rank, i) for i in range(2)]
+            index = next(i for i, seg in enumerate(pair)
+                         if i != newest and seg is not None and seg.size >= nbytes)
+            segment = pair[index]
+            assert segment is not None
+            memory.set_state(segment.view, memory.SlotState.WRITING)
+            return segment
+
+    def segments(self, *, replica: bool = False) -> dict[int, list[memory.Segment]]:
+        """A snapshot of the mapped slots per rank: own slots, or with ``replica`` the
+        replica slots. The segments stay valid until :meth:`close` (or a regrow)."""
+        with self._lock:
+            pairs = self._replicas if replica else self._slots
+            return {rank: [seg for seg in pair if seg is not None] for rank, pair in pairs.items()}
+
+    def find(self, rank: int, step: int) -> memory.Segment | None:
+        """A slot (own first, then replica) whose header says it holds committed ``step``
+        of ``rank``; the caller verifies checksums."""
+        with self._lock:
+            for pairs in (self._slots, self._replicas):
+                best: tuple[int, memory.Segment] | None = None
+                for segment in pairs.get(rank, []):
+                    header = memory.read_header(segment.view) if segment is not None else None
+                    if (segment is not None and header is not None and header.step == step
+                            and header.state is memory.SlotState.COMMITTED
+                            and (best is None or header.seq > best[0])):
+                        best = (header.seq, segment)
+                if best is not None:
+                    return best[1]
+            return None
 
     def _check_capacity(self, pair: list[memory.Segment | None], grow: list[int],
                         nbytes: int) -> None:
@@ -190,11 +237,12 @@ class SlotOwner:
                     best, index = key, i
         return index
 
-    def newest_steps(self) -> dict[int, int | None]:
-        """The newest committed step of each local rank (headers only, not verified)."""
+    def newest_steps(self, *, replica: bool = False) -> dict[int, int | None]:
+        """The newest committed step of each local rank, or with ``replica`` of each rank
+        this host keeps a replica of (headers only, not verified)."""
         with self._lock:
             steps: dict[int, int | None] = {}
-            for rank, pair in self._slots.items():
+            for rank, pair in (self._replicas if replica else self._slots).items():
                 headers = [memory.read_header(seg.view) for seg in pair if seg is not None]
                 committed = [h.step for h in headers
                              if h is not None and h.state is memory.SlotState.COMMITTED]
@@ -202,13 +250,16 @@ class SlotOwner:
             return steps
 
     # -- recovery -------------------------------------------------------------------------
-    def holdings(self, ranks: Iterable[int], world_size: int) -> dict[int, list[int]]:
-        """Verified committed steps per rank, for the given ranks of this run."""
+    def holdings(self, ranks: Iterable[int] | None, world_size: int, *,
+                 replica: bool = False) -> dict[int, list[int]]:
+        """Verified committed steps per rank, for the given ranks of this run (own slots),
+        or with ``replica`` in the replica slots (every rank held when ``ranks`` is None)."""
         with self._lock:
+            pairs = self._replicas if replica else self._slots
             found: dict[int, list[int]] = {}
-            for rank in ranks:
+            for rank in sorted(pairs) if ranks is None else ranks:
                 steps: list[int] = []
-                for segment in self._slots.get(rank, []):
+                for segment in pairs.get(rank, []):
                     if segment is None:
                         continue
                     info = memory.describe(segment)
