@@ -1,8 +1,10 @@
-"""``gemini inspect``: what this host holds in shared memory, verified against checksums."""
+"""``gemini inspect``: what this host holds in shared memory, or what a persistent-tier
+directory holds (``--dir``), verified against checksums."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import click
@@ -12,24 +14,37 @@ SCHEMA = "gemini.inspect/v1"
 
 @click.command("inspect", short_help="Show the checkpoints this host holds in memory.")
 @click.option("--run-id", default=None, help="Only the slots of this run (its rdzv id).")
+@click.option("--dir", "persist_dir", type=click.Path(path_type=Path), default=None,
+              help="Inspect the persisted checkpoint files under this directory instead.")
 @click.option("--tensors", is_flag=True, help="List every tensor of each committed slot.")
 @click.option("--no-verify", is_flag=True, help="Skip recomputing the checksums.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema gemini.inspect/v1).")
-def inspect_command(run_id: str | None, tensors: bool, no_verify: bool, as_json: bool) -> int:
+def inspect_command(run_id: str | None, persist_dir: Path | None, tensors: bool,
+                    no_verify: bool, as_json: bool) -> int:
     """List every checkpoint slot in this host's shared memory: run, rank, slot, step,
-    state, sizes and tensors; checksums are verified unless --no-verify.
+    state, sizes and tensors; checksums are verified unless --no-verify. With --dir, list
+    the persisted files under that directory the same way (slot is empty, segment is the
+    file's path relative to the directory; a file without its manifest is UNPUBLISHED).
 
-    Exit code 0 when every committed slot verifies, 5 when one is corrupt.
+    Exit code 0 when every committed slot verifies, 5 when one is corrupt, 4 when --dir
+    is not a directory.
     """
-    from launcher import memory
+    if persist_dir is not None:
+        from launcher import persist
 
-    prefix = memory.PREFIX + (memory.run_key(run_id) if run_id else "")
-    rows = [_row(info, tensors) for info in memory.iter_slots(prefix, check=not no_verify)]
-    if as_json:
-        click.echo(json.dumps({"schema": SCHEMA, "shm_dir": str(memory.SHM_DIR),
-                               "slots": rows}, indent=2))
+        infos = persist.inspect_dir(persist_dir, run_id, check=not no_verify)
+        rows = [_file_row(info, persist_dir, tensors) for info in infos]
+        where, key, title = str(persist_dir), "dir", "persisted checkpoints in"
     else:
-        _render(rows, tensors, str(memory.SHM_DIR))
+        from launcher import memory
+
+        prefix = memory.PREFIX + (memory.run_key(run_id) if run_id else "")
+        rows = [_row(info, tensors) for info in memory.iter_slots(prefix, check=not no_verify)]
+        where, key, title = str(memory.SHM_DIR), "shm_dir", "in-memory checkpoints in"
+    if as_json:
+        click.echo(json.dumps({"schema": SCHEMA, key: where, "slots": rows}, indent=2))
+    else:
+        _render(rows, tensors, where, title)
     corrupt = any(r["state"] == "COMMITTED" and r["error"] for r in rows)
     return 5 if corrupt else 0
 
@@ -49,27 +64,57 @@ def _row(info: Any, with_tensors: bool) -> dict[str, Any]:
         "error": info.error,
     }
     if with_tensors and meta:
-        row["tensors"] = [{k: t[k] for k in ("path", "dtype", "shape", "nbytes", "xxh3")}
-                          for t in meta["tensors"]]
+        row["tensors"] = _tensors(meta)
     return row
 
 
-def _render(rows: list[dict[str, Any]], with_tensors: bool, shm_dir: str) -> None:
+def _tensors(meta: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{k: t[k] for k in ("path", "dtype", "shape", "nbytes", "xxh3")}
+            for t in meta["tensors"]]
+
+
+def _file_row(info: Any, root: Path, with_tensors: bool) -> dict[str, Any]:
+    """A row of the same schema for a persisted file (``launcher.persist.FileInfo``)."""
+    header, meta = info.header, info.meta
+    state = header.state.name if header else "INVALID"
+    if header and not info.published:
+        state = "UNPUBLISHED"
+    row: dict[str, Any] = {
+        "segment": str(info.path.relative_to(root)), "rank": info.rank, "slot": None,
+        "bytes": info.size,
+        "run_id": header.run_id if header else None,
+        "state": state,
+        "step": info.step,
+        "seq": header.seq if header else None,
+        "world_size": header.world_size if header else None,
+        "data_bytes": header.data_len if header else None,
+        "tensor_count": len(meta["tensors"]) if meta else None,
+        "verified": bool(meta) and info.error is None,
+        "error": info.error,
+    }
+    if with_tensors and meta:
+        row["tensors"] = _tensors(meta)
+    return row
+
+
+def _render(rows: list[dict[str, Any]], with_tensors: bool, where: str,
+            title: str = "in-memory checkpoints in") -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     if not rows:
-        console.print(f"no gemini checkpoint slots in {shm_dir}")
+        console.print(f"no gemini checkpoint slots in {where}")
         return
-    table = Table(title=f"in-memory checkpoints in {shm_dir}")
+    table = Table(title=f"{title} {where}")
     for column in ("run", "rank", "slot", "state", "step", "tensors", "data", "size", "check"):
         table.add_column(column, justify="right" if column in ("rank", "slot", "step") else "left",
                          overflow="fold", max_width=20 if column == "run" else None)
     for r in rows:
         check = "[red]" + r["error"] + "[/]" if r["error"] else (
             "[green]ok[/]" if r["verified"] else "-")
-        table.add_row(str(r["run_id"] or "?"), str(r["rank"]), str(r["slot"]), r["state"],
+        table.add_row(str(r["run_id"] or "?"), str(r["rank"]),
+                      "" if r["slot"] is None else str(r["slot"]), r["state"],
                       "" if r["step"] is None else str(r["step"]),
                       "" if r["tensor_count"] is None else str(r["tensor_count"]),
                       _size(r["data_bytes"]), _size(r["bytes"]), check)
@@ -77,7 +122,8 @@ def _render(rows: list[dict[str, Any]], with_tensors: bool, shm_dir: str) -> Non
     if with_tensors:
         for r in rows:
             for t in r.get("tensors", []):
-                console.print(f"  r{r['rank']}s{r['slot']} {t['path']} {t['dtype']} "
+                label = f"r{r['rank']}" + ("" if r["slot"] is None else f"s{r['slot']}")
+                console.print(f"  {label} {t['path']} {t['dtype']} "
                               f"{tuple(t['shape'])} {_size(t['nbytes'])}")
 
 

@@ -566,6 +566,19 @@ def _slot_tensor(buf: Any, entry: dict[str, Any]) -> torch.Tensor:
     return tensor.to(device) if device != "cpu" else tensor
 
 
+def load_state(buf: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """The state tree a committed slot holds (``{"model": ..., "optimizer": ..., "extra": ...,
+    "rng": ...}``, each key only if it was saved), read from ``buf`` (a slot's bytes: a mapped
+    segment, a mapped persisted file, a private copy) as described by its metadata ``meta``.
+
+    Every tensor is a CPU copy that owns its memory, whatever device it was saved from, so
+    the result outlives ``buf``. Checksums are the caller's business (``memory.verify``).
+    """
+    tensors = [_slot_tensor(buf, {**entry, "device": "cpu"}) for entry in meta["tensors"]]
+    state: dict[str, Any] = _clone_tensors(_unflatten(meta["tree"], tensors))
+    return state
+
+
 def _clone_tensors(obj: Any) -> Any:
     """A copy of ``obj`` whose tensors own their memory (never alias a slot)."""
     if isinstance(obj, torch.Tensor):
