@@ -53,6 +53,7 @@ def _row(info: Any, with_tensors: bool) -> dict[str, Any]:
     header, meta = info.header, info.meta
     row: dict[str, Any] = {
         "segment": info.name, "rank": info.rank, "slot": info.index, "bytes": info.size,
+        "copy": "replica" if info.replica else "own",
         "run_id": header.run_id if header else None,
         "state": header.state.name if header else "INVALID",
         "step": header.step if header and header.state.name == "COMMITTED" else None,
@@ -81,7 +82,7 @@ def _file_row(info: Any, root: Path, with_tensors: bool) -> dict[str, Any]:
         state = "UNPUBLISHED"
     row: dict[str, Any] = {
         "segment": str(info.path.relative_to(root)), "rank": info.rank, "slot": None,
-        "bytes": info.size,
+        "bytes": info.size, "copy": "persisted",
         "run_id": header.run_id if header else None,
         "state": state,
         "step": info.step,
@@ -107,13 +108,15 @@ def _render(rows: list[dict[str, Any]], with_tensors: bool, where: str,
         console.print(f"no gemini checkpoint slots in {where}")
         return
     table = Table(title=f"{title} {where}")
-    for column in ("run", "rank", "slot", "state", "step", "tensors", "data", "size", "check"):
+    for column in ("run", "rank", "copy", "slot", "state", "step", "tensors", "data", "size",
+                   "check"):
         table.add_column(column, justify="right" if column in ("rank", "slot", "step") else "left",
-                         overflow="fold", max_width=20 if column == "run" else None)
+                         overflow="fold", max_width=20 if column == "run" else None,
+                         no_wrap=column != "run")
     for r in rows:
         check = "[red]" + r["error"] + "[/]" if r["error"] else (
             "[green]ok[/]" if r["verified"] else "-")
-        table.add_row(str(r["run_id"] or "?"), str(r["rank"]),
+        table.add_row(str(r["run_id"] or "?"), str(r["rank"]), r.get("copy", ""),
                       "" if r["slot"] is None else str(r["slot"]), r["state"],
                       "" if r["step"] is None else str(r["step"]),
                       "" if r["tensor_count"] is None else str(r["tensor_count"]),

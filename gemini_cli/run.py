@@ -69,6 +69,21 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--standby/--no-standby",), "standby",
      "Keep a standby interpreter per worker with torch imported, for fast restarts.  "
      "[default: standby]"),
+    (("--replicas",), "replicas",
+     "Copies of each host's checkpoint in CPU memory, its own included; 1 turns "
+     "replication to peer hosts off.  [default: 2]"),
+    (("--replication-addr", "--replication_addr"), "replication_addr",
+     "HOST[:PORT] the replication transport listens on.  [default: all interfaces, any port]"),
+    (("--secret-file", "--secret_file"), "secret_file",
+     "File with the run's replication secret.  [default: random, shared via the store]"),
+    (("--pace/--no-pace",), "pace",
+     "Spread replication traffic over each iteration instead of bursts.  [default: pace]"),
+    (("--persist-dir", "--persist_dir"), "persist_dir",
+     "Directory (shared by all hosts) for the persistent tier.  [default: none]"),
+    (("--persist-every", "--persist_every"), "persist_every",
+     "Persist every N steps, or every Ts seconds.  [default: 600s]"),
+    (("--persist-keep", "--persist_keep"), "persist_keep",
+     "Complete persisted steps to keep.  [default: 2]"),
 )
 
 

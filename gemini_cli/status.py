@@ -73,11 +73,17 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
                       _ranks(h.get("ranks", [])), str(h.get("round", "")),
                       str(h.get("restart_count", 0)), f"{now - h.get('heartbeat', now):.0f} s ago")
     console.print(hosts)
-    ranks = Table(title="newest step per rank")
-    for column in ("rank", "host", "memory"):
+    ranks = Table(title="newest step per rank and tier")
+    for column in ("rank", "host", "memory", "peer replicas", "lag", "persisted"):
         ranks.add_column(column)
     for rank, r in status["ranks"].items():
-        ranks.add_row(rank, r.get("host", ""), "-" if r.get("memory") is None else str(r["memory"]))
+        replicas = {host: step for host, step in (r.get("replicas") or {}).items()
+                    if step is not None}
+        newest = r.get("memory")
+        lag = "-" if newest is None or not replicas else str(newest - min(replicas.values()))
+        ranks.add_row(rank, r.get("host", ""), _step(newest),
+                      ", ".join(f"{h}:{s}" for h, s in sorted(replicas.items())) or "-",
+                      lag, _step(r.get("persist")))
     console.print(ranks)
     if status["events"]:
         events = Table(title="recent events")
@@ -88,6 +94,10 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
             events.add_row(time.strftime("%H:%M:%S", time.localtime(e.get("ts", 0))),
                            e.get("host", ""), e.get("event", ""), _short(detail))
         console.print(events)
+
+
+def _step(step: int | None) -> str:
+    return "-" if step is None else str(step)
 
 
 def _ranks(ranks: list[int]) -> str:

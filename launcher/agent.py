@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
+    from launcher.slots import MemoryService, SlotOwner
+    from launcher.store import Store as GeminiStore
+
 logger = logging.getLogger(__name__)
 
 #: Variables gemini adds to the worker environment (on top of torchrun's).
@@ -118,6 +121,11 @@ def _define_agent(base: type) -> type:
         def _rendezvous(self, worker_group: WorkerGroup) -> None:
             """torch elastic's rendezvous, with stable node slots as group ranks."""
             spec = worker_group.spec
+            if getattr(spec.rdzv_handler, "_bootstrap_store_info", None) is not None:
+                # torch's dynamic handler publishes the bootstrap address only in its own
+                # first round: a host joining a later round (a replacement) would wait for
+                # it forever unless this round's rank 0 publishes it again.
+                setattr(spec.rdzv_handler, "_bootstrap_store_info", None)  # noqa: B010
             with self.record_duration("RENDEZVOUS"):
                 rdzv_info = spec.rdzv_handler.next_rendezvous()
             store, world_size = rdzv_info.store, rdzv_info.world_size
@@ -311,7 +319,7 @@ def launch(config: RunConfig, command: Command, *,
 
     from launcher.config import default_store_url
     from launcher.coordination import CoordinationService
-    from launcher.slots import MemoryService, SlotOwner
+    from launcher.slots import SlotOwner
     from launcher.standby import StandbyService
     from launcher.store import open_store
 
@@ -342,25 +350,32 @@ def launch(config: RunConfig, command: Command, *,
     except OSError as exc:
         owner.close()
         raise ConfigError(f"cannot write the run directory {run_dir}: {exc.strerror}") from None
-    services: list[SupervisorService] = [MemoryService(owner, events)]
+    services: list[SupervisorService] = []  # coordination closes first, the slots last
     try:
         store = open_store(config.store or default_store_url(config.run_root))
         coordination = CoordinationService(store, run_id=launch_config.run_id,
                                            host_id=owner.host_id, owner=owner,
                                            ttl=config.host_ttl)
+        services.append(coordination)
+        memory_service = _memory_service(config, launch_config, owner, events, store)
+        services.append(memory_service)
+        if memory_service.persist is not None:
+            coordination.persist_status = memory_service.persist.status
     except BaseException:
+        for service in services:
+            service.close()
         owner.close()
         events.close()
         raise
     if launch_config.max_nodes > 1:
         print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
     events.add_sink(coordination.record_event)
-    services.insert(0, coordination)  # closes first, while the slots still exist
     if config.standby:
         services.append(StandbyService(launch_config.nproc_per_node))
     services += extra_services
     os.environ[ENV_RUN_DIR] = str(run_dir)
     os.environ[ENV_HOST_ID] = owner.host_id
+    os.environ["GEMINI_SUPERVISOR_PID"] = str(os.getpid())  # see launcher.hook
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = launch_config.signals_to_handle
 
     error_handler = get_error_handler()
@@ -409,6 +424,36 @@ def launch(config: RunConfig, command: Command, *,
         for service in services:
             service.close()
         events.close()
+
+
+def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, events: EventLog,
+                    store: GeminiStore) -> MemoryService:
+    """The memory tier, with replication to peer hosts when the job may have several and
+    the persistent tier when a directory is given."""
+    from launcher.slots import MemoryService
+
+    replication = persist = None
+    if config.replicas > 1 and launch_config.max_nodes > 1:
+        from launcher.replication.service import (
+            ReplicationService,
+            advertised_host,
+            load_secret,
+        )
+
+        bind = config.replication_bind
+        replication = ReplicationService(
+            owner, events, run_id=launch_config.run_id, replicas=config.replicas,
+            secret=load_secret(config.secret_file, store, launch_config.run_id), bind=bind,
+            advertise=advertised_host(bind[0], launch_config.local_addr), pace=config.pace)
+    if config.persist_dir:
+        from launcher.persist import PersistWriter
+
+        every_steps, every_seconds = config.persist_interval
+        persist = PersistWriter(Path(config.persist_dir).expanduser(), run_id=launch_config.run_id,
+                                sources=owner.segments, every_steps=every_steps,
+                                every_seconds=every_seconds, keep=config.persist_keep)
+        persist.start()
+    return MemoryService(owner, events, replication=replication, persist=persist)
 
 
 def _worker_spec(launch_config: Any, entrypoint: Any, entry_args: tuple[Any, ...]) -> Any:

@@ -114,6 +114,24 @@ class RunConfig:
     """Seconds without a heartbeat after which a host counts as lost."""
     standby: bool = dataclasses.field(default=True, metadata={"gemini": True})
     """Keep one interpreter per local rank with torch imported, so a restart skips start-up."""
+    replicas: int = dataclasses.field(default=2, metadata={"gemini": True})
+    """Copies of each host's checkpoint kept in CPU memory, its own included (1: no
+    replication to peer hosts)."""
+    replication_addr: str = dataclasses.field(default="", metadata={"gemini": True})
+    """``HOST[:PORT]`` the replication transport listens on (default: every interface, a
+    free port; peers reach it at ``--local-addr`` or this host's name)."""
+    secret_file: str = dataclasses.field(default="", metadata={"gemini": True})
+    """File holding the run's replication secret (default: one generated at random and
+    shared through the coordination store)."""
+    pace: bool = dataclasses.field(default=True, metadata={"gemini": True})
+    """Spread replication traffic over each iteration instead of sending in bursts."""
+    persist_dir: str = dataclasses.field(default="", metadata={"gemini": True})
+    """Directory (local or shared by all hosts) for the persistent checkpoint tier
+    (default: no persistent tier)."""
+    persist_every: str = dataclasses.field(default="600s", metadata={"gemini": True})
+    """How often the persistent tier is written: ``N`` steps or ``Ts`` seconds."""
+    persist_keep: int = dataclasses.field(default=2, metadata={"gemini": True})
+    """Complete persisted steps kept; older ones are deleted."""
 
     def __post_init__(self) -> None:
         _parse_nnodes(self.nnodes)
@@ -127,8 +145,13 @@ class RunConfig:
         if self.store and not self.store.startswith(("etcd://", "embedded://")):
             raise ConfigError(f"store={self.store!r}: expected etcd://HOST:PORT[,HOST:PORT...] "
                               "or embedded:///PATH", field="store")
+        _parse_interval(self.persist_every)
+        if self.replication_addr:
+            _parse_host_port(self.replication_addr, "replication_addr")
         for name, ok, rule in (
             ("host_ttl", self.host_ttl >= 1, ">= 1 second"),
+            ("replicas", self.replicas >= 1, ">= 1"),
+            ("persist_keep", self.persist_keep >= 1, ">= 1"),
             ("node_rank", self.node_rank >= 0, ">= 0"),
             ("max_restarts", self.max_restarts >= 0, ">= 0"),
             ("monitor_interval", self.monitor_interval > 0, "> 0"),
@@ -162,6 +185,18 @@ class RunConfig:
         """``nnodes`` as a ``(min, max)`` pair."""
         return _parse_nnodes(self.nnodes)
 
+    @property
+    def persist_interval(self) -> tuple[int | None, float | None]:
+        """``persist_every`` as ``(steps, None)`` or ``(None, seconds)``."""
+        return _parse_interval(self.persist_every)
+
+    @property
+    def replication_bind(self) -> tuple[str, int]:
+        """``replication_addr`` as ``(host, port)``; port 0 means any free port."""
+        if not self.replication_addr:
+            return "0.0.0.0", 0
+        return _parse_host_port(self.replication_addr, "replication_addr")
+
 
 def default_store_url(run_root: str) -> str:
     """The embedded store used when no ``--store`` is given: next to the run root."""
@@ -178,6 +213,31 @@ def _parse_nnodes(value: str) -> tuple[int, int]:
     if not 0 < low <= high:
         raise ConfigError(f"nnodes={value!r}: need 0 < MIN <= MAX", field="nnodes")
     return low, high
+
+
+_INTERVAL = re.compile(r"^\s*(?:(\d+)|(\d+(?:\.\d+)?)\s*s)\s*$")
+
+
+def _parse_interval(value: str) -> tuple[int | None, float | None]:
+    match = _INTERVAL.match(value)
+    if not match or (match.group(1) and int(match.group(1)) < 1) or (
+        match.group(2) and float(match.group(2)) <= 0
+    ):
+        raise ConfigError(f"persist_every={value!r}: expected N steps (e.g. 100) or seconds "
+                          "(e.g. 600s)", field="persist_every")
+    if match.group(1):
+        return int(match.group(1)), None
+    return None, float(match.group(2))
+
+
+def _parse_host_port(value: str, name: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        host, port = value, "0"
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"{name}={value!r}: expected HOST or HOST:PORT", field=name)
+    return host, int(port)
 
 
 def _field_type(name: str) -> Any:

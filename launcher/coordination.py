@@ -6,6 +6,7 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
     alive/<host>            "1", bound to the host's lease: gone within the TTL of its death
     hosts/<host>            JSON record: pid, ranks, round, restart count, last heartbeat, state
     ranks/<rank>            JSON: the host holding the rank and its newest step per tier
+    replicas/<rank>/<host>  JSON: the newest step of ``rank`` that ``host`` keeps a replica of
     events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...)
 
 Each supervisor runs :class:`CoordinationService`: it registers under a lease kept alive
@@ -23,6 +24,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +63,8 @@ class CoordinationService:
             "host": host_id, "pid": os.getpid(), "started": time.time(), "state": "running",
             "ranks": [], "round": 0, "restart_count": 0, "heartbeat": time.time(),
         }
-        self._published: dict[int, int | None] = {}
+        self._published: dict[str, Any] = {}
+        self.persist_status: Callable[[], Mapping[int, int]] | None = None
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._campaigning = threading.Lock()
@@ -163,11 +166,18 @@ class CoordinationService:
                 logger.warning("coordination store unavailable, retrying: %s", exc)
 
     def _publish_steps(self) -> None:
+        persisted = self.persist_status() if self.persist_status is not None else {}
         for rank, step in self.owner.newest_steps().items():
-            if self._published.get(rank, -2) != step:
+            record = {"memory": step, "persist": persisted.get(rank)}
+            if self._published.get(f"ranks/{rank}") != record:
                 self.store.put(self.prefix + f"ranks/{rank}", _dump(
-                    {"host": self.host_id, "memory": step, "updated": time.time()}))
-                self._published[rank] = step
+                    {"host": self.host_id, **record, "updated": time.time()}))
+                self._published[f"ranks/{rank}"] = record
+        for rank, step in self.owner.newest_steps(replica=True).items():
+            key = f"replicas/{rank}/{self.host_id}"
+            if self._published.get(key) != step:
+                self.store.put(self.prefix + key, _dump({"step": step, "updated": time.time()}))
+                self._published[key] = step
 
     def _flush(self) -> None:
         pending: list[tuple[str, bytes]] = []
@@ -238,7 +248,11 @@ def read_status(store: Store, run_id: str, *, max_events: int = 20) -> RunStatus
             elif kind == "hosts":
                 hosts[name] = json.loads(value)
             elif kind == "ranks":
-                status.ranks[int(name)] = json.loads(value)
+                status.ranks.setdefault(int(name), {}).update(json.loads(value))
+            elif kind == "replicas":
+                rank, _, host = name.partition("/")
+                record = status.ranks.setdefault(int(rank), {})
+                record.setdefault("replicas", {})[host] = json.loads(value).get("step")
             elif kind == "events":
                 status.events.append(json.loads(value))
         except (ValueError, UnicodeDecodeError):

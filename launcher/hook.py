@@ -49,6 +49,7 @@ logger = logging.getLogger(__name__)
 ENV_SOCKET = "GEMINI_SLOT_SOCKET"
 ENV_PREFIX = "GEMINI_SLOT_PREFIX"
 ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
+ENV_SUPERVISOR_PID = "GEMINI_SUPERVISOR_PID"
 
 _warned_inactive = False
 
@@ -173,6 +174,7 @@ class Checkpointer:
         if not self.active:
             _warn_inactive()
             return
+        _die_with_supervisor()
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._before_optimizer_step)
         atexit.register(self.close)
@@ -590,6 +592,23 @@ def _clone_tensors(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(_clone_tensors(v) for v in obj)
     return obj
+
+
+def _die_with_supervisor() -> None:
+    """Ask Linux to SIGKILL this worker when its supervisor dies, as a host failure would:
+    an orphaned worker would otherwise keep training with a group that is being replaced.
+    Only for a worker started directly by the supervisor (``GEMINI_SUPERVISOR_PID``)."""
+    supervisor = os.environ.get(ENV_SUPERVISOR_PID, "")
+    if not supervisor.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    if os.getppid() != int(supervisor):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(supervisor):  # it died before the call
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _warn_inactive() -> None:

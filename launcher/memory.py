@@ -262,7 +262,7 @@ def commit_received(buf: mmap.mmap, header: SlotHeader, meta: bytes) -> None:
         verify(buf, SlotHeader(SlotState.COMMITTED, header.step, header.seq, header.rank,
                                header.world_size, header.data_len, 0, 0, 0, len(buf),
                                header.run_id), decoded)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"malformed metadata: {exc}") from None
     write_commit(buf, step=header.step, seq=header.seq, rank=header.rank,
                  world_size=header.world_size, run_id=header.run_id,

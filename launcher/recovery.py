@@ -6,7 +6,10 @@ and hands the answer to its workers.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 
 def choose_step(holdings: Mapping[int, Collection[int]], world_size: int) -> int | None:
@@ -23,3 +26,65 @@ def choose_step(holdings: Mapping[int, Collection[int]], world_size: int) -> int
         if not common:
             return None
     return max(common) if common else None
+
+
+class Tier(enum.IntEnum):
+    """Where a copy of a rank's checkpoint lives, in order of preference (fastest first)."""
+
+    MEMORY = 0
+    """The shared memory of the host that runs the rank now."""
+    PEER = 1
+    """A replica in another host's memory, pulled over the replication transport."""
+    PERSIST = 2
+    """A file in the persistent tier."""
+
+
+@dataclass(frozen=True, order=True)
+class Source:
+    """One copy of a rank's checkpoint: its tier and, for PEER, the node holding it."""
+
+    tier: Tier
+    node: int = -1
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """The step every rank restores, and where each rank's copy of it comes from."""
+
+    step: int | None
+    """None: no step is complete for every rank anywhere; start fresh."""
+    sources: dict[int, list[Source]] = field(default_factory=dict)
+    """Per rank, the copies of ``step`` in order of preference."""
+
+
+def plan_restore(available: Mapping[int, Mapping[int, Collection[Source]]],
+                 world_size: int) -> RestorePlan:
+    """The newest step complete for every rank across all tiers, with its sources.
+
+    ``available[rank][step]`` lists the copies of ``step`` for ``rank``. Copies in a
+    faster tier come first; between peers, the lower node first (every host computes
+    the same plan from the same snapshot).
+    """
+    step = choose_step({rank: list(steps) for rank, steps in available.items()}, world_size)
+    if step is None:
+        return RestorePlan(None)
+    return RestorePlan(step, {rank: sorted(set(available[rank][step]))
+                              for rank in range(world_size)})
+
+
+def gather_sources(reports: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[int, list[Source]]]:
+    """Turn every node's report of what it holds into ``available`` for :func:`plan_restore`.
+
+    ``reports[node]`` has ``"local"`` (rank -> verified steps in the node's own slots, for
+    the ranks it runs now), ``"replicas"`` (rank -> verified steps it keeps for peers) and
+    ``"persist"`` (rank -> steps in the persistent tier), with ranks as strings (JSON).
+    """
+    available: dict[int, dict[int, list[Source]]] = {}
+    tiers = (("local", Tier.MEMORY), ("replicas", Tier.PEER), ("persist", Tier.PERSIST))
+    for node, report in sorted(reports.items()):
+        for key, tier in tiers:
+            for rank, steps in (report.get(key) or {}).items():
+                source = Source(tier, node if tier is Tier.PEER else -1)
+                for step in steps:
+                    available.setdefault(int(rank), {}).setdefault(int(step), []).append(source)
+    return available

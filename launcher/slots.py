@@ -21,13 +21,16 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from launcher import memory
-from launcher.errors import StorageError
+from launcher.errors import CheckpointError, GeminiError, ReplicationError, StorageError
 from launcher.events import EventLog
-from launcher.recovery import choose_step
+from launcher.recovery import RestorePlan, Source, Tier, gather_sources, plan_restore
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
     from torch.distributed.elastic.agent.server.api import WorkerGroup
+
+    from launcher.persist import PersistWriter
+    from launcher.replication.service import ReplicationService
 
 logger = logging.getLogger(__name__)
 
@@ -351,32 +354,96 @@ ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
 
 
 class MemoryService:
-    """The supervisor service of the in-memory tier (see ``agent.SupervisorService``).
+    """The supervisor service of the checkpoint tiers (see ``agent.SupervisorService``).
 
     Before each round it gathers, from every host through the round's store, which steps
-    each rank holds in memory, picks the newest step complete for all ranks, and tells
-    its workers through ``GEMINI_RESTORE_STEP``.
+    each rank holds in each tier (own memory, peers' replicas, persistent files), picks
+    the newest step complete for all ranks (``launcher.recovery``), brings every copy
+    that is not already in this host's memory into it (pulled from a peer or loaded from
+    a file, verified), and tells its workers the step through ``GEMINI_RESTORE_STEP``.
     """
 
-    def __init__(self, owner: SlotOwner, events: EventLog) -> None:
+    def __init__(self, owner: SlotOwner, events: EventLog, *,
+                 replication: ReplicationService | None = None,
+                 persist: PersistWriter | None = None) -> None:
         self.owner = owner
         self.server = SlotServer(owner)
         self.events = events
+        self.replication = replication
+        self.persist = persist
         os.environ[ENV_SOCKET] = self.server.env_address
         os.environ[ENV_PREFIX] = self.owner.prefix
 
     def before_start(self, group: WorkerGroup, store: Store) -> None:
+        started = time.monotonic()
+        if self.replication is not None:
+            self.replication.pause()
         ranks = [w.global_rank for w in group.workers]
         world_size = group.workers[0].world_size if group.workers else 0
-        mine = self.owner.holdings(ranks, world_size)
-        store.set(f"holdings/{group.group_rank}", json.dumps(mine))
-        holdings: dict[int, list[int]] = {}
-        for peer in range(group.group_world_size or 1):
-            theirs = json.loads(store.get(f"holdings/{peer}"))
-            holdings.update({int(rank): steps for rank, steps in theirs.items()})
-        step = choose_step(holdings, world_size)
-        os.environ[ENV_RESTORE_STEP] = str(-1 if step is None else step)
-        self.events.write("restore_plan", step=step, local=mine)
+        node, nodes = group.group_rank or 0, group.group_world_size or 1
+        report: dict[str, Any] = {
+            "local": self.owner.holdings(ranks, world_size),
+            "replicas": self.owner.holdings(None, world_size, replica=True)
+            if self.replication is not None else {},
+            "persist": {rank: steps for rank, steps in self.persist.scan().items()
+                        if rank in ranks} if self.persist is not None else {},
+            "address": list(self.replication.address) if self.replication is not None else None,
+        }
+        store.set(f"holdings/{node}", json.dumps(report))
+        reports = {peer: json.loads(store.get(f"holdings/{peer}")) for peer in range(nodes)}
+        plan = plan_restore(gather_sources(reports), world_size)
+        scanned = time.monotonic()
+        used = self._bring_in(plan, ranks, reports)
+        restore = -1 if plan.step is None else plan.step
+        if self.persist is not None:
+            self.persist.rewind(restore)  # later files belong to the abandoned attempt
+        os.environ[ENV_RESTORE_STEP] = str(restore)
+        self.events.write("restore_plan", step=plan.step, local=report["local"],
+                          sources={str(rank): used[rank] for rank in sorted(used)},
+                          scan_seconds=round(scanned - started, 4),
+                          transfer_seconds=round(time.monotonic() - scanned, 4))
+        if self.replication is not None:
+            addresses = {peer: (str(r["address"][0]), int(r["address"][1]))
+                         for peer, r in reports.items() if r.get("address")}
+            self.replication.set_round(node, nodes, addresses)
+
+    def _bring_in(self, plan: RestorePlan, ranks: list[int],
+                  reports: dict[int, dict[str, Any]]) -> dict[int, str]:
+        """Make this host's memory hold ``plan.step`` for each of ``ranks``; return the
+        tier each one came from."""
+        used: dict[int, str] = {}
+        if plan.step is None:
+            return used
+        for rank in ranks:
+            errors = []
+            for source in plan.sources.get(rank, []):
+                try:
+                    self._fetch(rank, plan.step, source, reports)
+                except GeminiError as exc:
+                    errors.append(f"{source.tier.name.lower()}: {exc}")
+                    logger.warning("rank %d step %d from %s failed: %s", rank, plan.step,
+                                   source, exc)
+                    continue
+                used[rank] = source.tier.name.lower()
+                break
+            else:
+                raise CheckpointError(f"rank {rank}: no copy of step {plan.step} could be "
+                                      f"restored ({'; '.join(errors) or 'none found'})")
+        return used
+
+    def _fetch(self, rank: int, step: int, source: Source,
+               reports: dict[int, dict[str, Any]]) -> None:
+        if source.tier is Tier.MEMORY:
+            return  # already in this host's slots; the worker verifies it again
+        if source.tier is Tier.PEER:
+            address = reports[source.node].get("address")
+            if self.replication is None or not address:
+                raise ReplicationError(f"node {source.node} has no replication address")
+            self.replication.pull((str(address[0]), int(address[1])), rank, step)
+            return
+        if self.persist is None:
+            raise CheckpointError("no persistent tier configured")
+        self.persist.load(rank, step, lambda n: self.owner.write_target(rank, n, replica=False))
 
     def after_start(self, group: WorkerGroup) -> None:
         pass
@@ -389,6 +456,10 @@ class MemoryService:
             raise self.server.fatal
 
     def close(self) -> None:
+        if self.persist is not None:
+            self.persist.close()
+        if self.replication is not None:
+            self.replication.close()
         self.server.close()
         self.owner.close()
 

@@ -16,7 +16,6 @@ import torch
 
 from launcher import hook, memory
 from launcher.errors import CheckpointError, StorageError
-from launcher.recovery import choose_step
 from launcher.slots import SlotOwner, SlotServer, clean, find_leftovers
 
 
@@ -66,14 +65,6 @@ def _save_two_steps() -> None:
         _train(model, opt)
         ckpt.save(step)
     ckpt.close()
-
-
-def test_choose_step() -> None:
-    assert choose_step({0: [3, 4], 1: [4, 5]}, 2) == 4
-    assert choose_step({0: [3, 4], 1: [5]}, 2) is None
-    assert choose_step({0: [3, 4]}, 2) is None
-    assert choose_step({}, 1) is None
-    assert choose_step({0: [7, 2], 1: [2, 7], 2: [7]}, 3) == 7
 
 
 def test_tree_roundtrip_keeps_types() -> None:

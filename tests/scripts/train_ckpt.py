@@ -9,6 +9,7 @@ Prints "resume rank=R start=S attempt=A" and, on rank 0, "step S loss L".
 """
 
 import argparse
+import hashlib
 import os
 import random
 import signal
@@ -26,6 +27,11 @@ p.add_argument("--depth", type=int, default=2)
 p.add_argument("--out", default="")
 p.add_argument("--kill", action="append", default=[])
 p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--grad-sync", choices=["ddp", "params"], default="ddp",
+               help="params: one all_reduce per gradient, in a fixed order. DDP sums each bucket "
+               "in an order that depends on its bucket layout, which it rebuilds in the first "
+               "iteration after every (re)start: with more than 2 ranks that changes the "
+               "rounding, so a resumed run is not bitwise equal to an unfailed one")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -41,13 +47,16 @@ layers = []
 for _ in range(args.depth):
     layers += [torch.nn.Linear(args.width, args.width), torch.nn.Tanh()]
 net = torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 1))
-model = torch.nn.parallel.DistributedDataParallel(net) if distributed else net
+ddp = distributed and args.grad_sync == "ddp"
+model = torch.nn.parallel.DistributedDataParallel(net) if ddp else net
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
 extra = {"scheduler": sched, "progress": {"samples": 0}}
 ckpt = Checkpointer(model=model, optimizer=opt, extra=extra)
 start = ckpt.restore()
-print(f"resume rank={rank} start={start} attempt={attempt}", flush=True)
+digest = hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values()))
+print(f"resume rank={rank} start={start} attempt={attempt} model={digest.hexdigest()[:12]} "
+      f"samples={extra['progress']['samples']}", flush=True)
 
 kills = []
 for spec in args.kill:
@@ -78,6 +87,10 @@ for step in range(start, args.steps):
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad()
     loss.backward()
+    if distributed and not ddp:
+        for param in net.parameters():
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
     opt.step()
     sched.step()
     extra["progress"]["samples"] += 16

@@ -1,0 +1,244 @@
+"""The supervisor's replication service: serve peers' replicas, push our own to the holders.
+
+Every supervisor runs a transport :class:`~launcher.replication.transport.Server` that
+keeps the replicas peers push into this host's replica slots and answers pulls. A sender
+thread watches this host's own slots and pushes each rank's newest committed step to the
+nodes that :mod:`~launcher.replication.placement` names as its holders, straight from
+shared memory. Which steps are replicated is the same on every host (every
+``replicate_every``-th step, the newest first), so the replicas of all ranks tend to hold
+the same steps and a lost host's ranks can resume at a step the survivors also hold.
+
+Pacing (the paper's traffic interleaving, adapted): instead of sending each snapshot in
+one burst that competes with the training step for CPU and memory bandwidth, the sender
+spreads it over most of an iteration, at ``bytes / (0.8 * iteration time)``, from a
+lower-priority thread. The iteration time is measured from the commits themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from launcher import memory
+from launcher.errors import ConfigError, ReplicationError, StoreError
+from launcher.events import EventLog
+from launcher.replication import placement, transport
+from launcher.slots import SlotOwner
+from launcher.store import Store
+
+logger = logging.getLogger(__name__)
+
+SENDER_NICE = 5  # the sender yields to training threads when the CPU is contended
+PACE_SHARE = 0.8  # fraction of an iteration over which one snapshot is spread
+MIN_RATE = 64 << 20  # bytes/s: pacing never drops below this
+POLL = 0.002  # seconds between two looks at the slot headers when idle
+
+
+def load_secret(secret_file: str, store: Store, run_id: str) -> bytes:
+    """The run's replication secret: from ``secret_file``, or created once at random and
+    shared through the coordination store (the first supervisor to ask creates it)."""
+    if secret_file:
+        try:
+            secret = Path(secret_file).expanduser().read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the secret file {secret_file}: "
+                              f"{exc.strerror or exc}") from None
+        if len(secret) < 16:
+            raise ConfigError(f"secret file {secret_file}: need at least 16 bytes of secret")
+        return secret
+    key = f"gemini/runs/{run_id}/secret"
+    try:
+        store.compare_and_set(key, None, secrets.token_hex(32).encode())
+        value = store.get(key)
+    except StoreError as exc:
+        raise StoreError(f"cannot share the replication secret: {exc}") from None
+    if not value:
+        raise StoreError("the replication secret vanished from the store")
+    return value
+
+
+def advertised_host(bind_host: str, local_addr: str | None) -> str:
+    """The address peers use to reach a transport bound to ``bind_host``."""
+    if bind_host not in ("", "0.0.0.0", "::"):
+        return bind_host
+    return local_addr or socket.getfqdn()
+
+
+class ReplicationService:
+    """Owns the transport server and the sender thread of one supervisor."""
+
+    def __init__(self, owner: SlotOwner, events: EventLog, *, run_id: str, replicas: int,
+                 secret: bytes, bind: tuple[str, int], advertise: str, pace: bool = True,
+                 replicate_every: int = 1) -> None:
+        self.owner = owner
+        self.events = events
+        self.run_id = run_id
+        self.replicas = replicas
+        self.pace = pace
+        self.replicate_every = replicate_every
+        self._secret = secret
+        self.server = transport.Server(owner, secret=secret, run_id=run_id, host=bind[0],
+                                       port=bind[1], on_reject=self._on_reject)
+        self.address: tuple[str, int] = (advertise, self.server.address[1])
+        self._lock = threading.Lock()
+        self._holders: list[tuple[str, int]] = []
+        self._clients: dict[tuple[str, int], transport.Client] = {}
+        self._pushed: dict[tuple[tuple[str, int], int], int] = {}  # (holder, rank) -> step
+        self._commits: dict[int, tuple[int, float]] = {}  # rank -> (newest step, seen at)
+        self._interval: dict[int, float] = {}  # rank -> iteration time (EWMA, seconds)
+        self._failures: dict[tuple[str, int], float] = {}  # holder -> time of last failure
+        self._running = threading.Event()
+        self._stop = threading.Event()
+        self.bytes_sent = 0
+        self._thread = threading.Thread(target=self._send_loop, name="gemini-replication",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- rounds -----------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Stop pushing (before a round's membership and placement change)."""
+        self._running.clear()
+
+    def set_round(self, node: int, nodes: int,
+                  addresses: Mapping[int, tuple[str, int] | None]) -> None:
+        """Adopt the placement of a new round and resume pushing."""
+        plan = placement.plan(nodes, self.replicas)
+        holders = [a for n in plan.holders(node) if (a := addresses.get(n)) is not None]
+        with self._lock:
+            self._holders = [(str(h), int(p)) for h, p in holders]
+            for address in list(self._clients):
+                if address not in self._holders:
+                    self._clients.pop(address).close()
+            self._pushed = {k: v for k, v in self._pushed.items() if k[0] in self._holders}
+        self.events.write("replication_round", node=node, nodes=nodes, placement=plan.kind,
+                          holders=[f"{h}:{p}" for h, p in self._holders])
+        self._running.set()
+
+    def pull(self, address: tuple[str, int], rank: int, step: int) -> memory.SlotHeader:
+        """Fetch ``rank``'s committed ``step`` from the peer at ``address`` into one of
+        this host's own slots of that rank (verified and committed there)."""
+        client = transport.Client(address, secret=self._secret, run_id=self.run_id)
+        try:
+            return client.pull(rank, step,
+                               lambda nbytes: self.owner.write_target(rank, nbytes, replica=False))
+        finally:
+            client.close()
+
+    # -- the sender ---------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SENDER_NICE)
+        except OSError:
+            pass
+        while not self._stop.is_set():
+            if not self._running.wait(0.1):
+                continue
+            if not self._send_once():
+                self._stop.wait(POLL)
+
+    def _send_once(self) -> bool:
+        """Push every rank's newest due step to every holder that lacks it; True if any
+        bytes moved."""
+        with self._lock:
+            holders = list(self._holders)
+        if not holders:
+            return False
+        sent = False
+        own = self.owner.segments()
+        for rank, segments in own.items():
+            due = self._due(rank, segments)
+            if due is None:
+                continue
+            segment, header = due
+            rate = self._rate(rank, header.data_len * len(own) * len(holders))
+            for holder in holders:
+                if self._pushed.get((holder, rank), -1) >= header.step or not self._running.is_set():
+                    continue
+                if time.monotonic() - self._failures.get(holder, -1e9) < 1.0:
+                    continue  # back off from a failing peer
+                sent |= self._push(holder, rank, segment, header, rate)
+        return sent
+
+    def _due(self, rank: int, segments: list[memory.Segment]
+             ) -> tuple[memory.Segment, memory.SlotHeader] | None:
+        """The newest committed slot of ``rank`` whose step is on the replication schedule."""
+        best: tuple[memory.Segment, memory.SlotHeader] | None = None
+        newest = -1
+        for segment in segments:
+            header = memory.read_header(segment.view)
+            if header is None or header.state is not memory.SlotState.COMMITTED:
+                continue
+            newest = max(newest, header.step)
+            if header.step % self.replicate_every == 0 and (
+                best is None or (header.step, header.seq) > (best[1].step, best[1].seq)
+            ):
+                best = (segment, header)
+        self._observe(rank, newest)
+        return best
+
+    def _observe(self, rank: int, step: int) -> None:
+        """Track the iteration time from the commits of ``rank``."""
+        if step < 0:
+            return
+        now = time.monotonic()
+        last = self._commits.get(rank)
+        if last is None or step < last[0]:
+            self._commits[rank] = (step, now)
+        elif step > last[0]:
+            per_step = (now - last[1]) / (step - last[0])
+            old = self._interval.get(rank)
+            self._interval[rank] = per_step if old is None else 0.8 * old + 0.2 * per_step
+            self._commits[rank] = (step, now)
+
+    def _rate(self, rank: int, per_iteration: int) -> float | None:
+        """The paced sending rate when ``per_iteration`` bytes go out every iteration."""
+        interval = self._interval.get(rank)
+        if not self.pace or interval is None or interval <= 0:
+            return None
+        return max(MIN_RATE, per_iteration / (PACE_SHARE * interval))
+
+    def _push(self, holder: tuple[str, int], rank: int, segment: memory.Segment,
+              header: memory.SlotHeader, rate: float | None) -> bool:
+        try:
+            client = self._clients.get(holder)
+            if client is None:
+                client = self._clients[holder] = transport.Client(
+                    holder, secret=self._secret, run_id=self.run_id)
+            step = client.push(segment, max_rate=rate)
+        except ReplicationError as exc:
+            first = holder not in self._failures
+            self._failures[holder] = time.monotonic()
+            dropped = self._clients.pop(holder, None)
+            if dropped is not None:
+                dropped.close()
+            if first:  # once per outage; the store shows the replicas' lag meanwhile
+                logger.warning("replicating rank %d to %s:%d failed (retrying every second): %s",
+                               rank, *holder, exc)
+                self.events.write("replication_failed", rank=rank, peer=f"{holder[0]}:{holder[1]}",
+                                  reason=str(exc))
+            return False
+        if self._failures.pop(holder, None) is not None:
+            logger.info("replicating to %s:%d works again", *holder)
+        if step is not None:
+            self._pushed[(holder, rank)] = step
+            self.bytes_sent += header.data_len
+        return True
+
+    def _on_reject(self, peer: str, reason: str) -> None:
+        self.events.write("replication_rejected", peer=peer, reason=reason)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._running.set()
+        self._thread.join(timeout=10)
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+        self.server.close()

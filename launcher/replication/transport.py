@@ -1,0 +1,938 @@
+"""How checkpoint bytes move between supervisors: an authenticated TCP transport.
+
+A :class:`Server` runs in every supervisor and serves two operations to its peers: PUT (a
+peer pushes the committed slot of one rank; it lands in one of this host's replica slots)
+and GET (a peer asks for a step of a rank this host holds). A :class:`Client` keeps one
+authenticated connection to one peer's server.
+
+Wire protocol (all integers little endian)::
+
+    handshake (fixed sizes, before any frame)
+      client -> server  HELLO    "GEMtrns1" | client nonce (32) | run tag (16)
+      server -> client  WELCOME  "GEMtrns1" | server nonce (32) | server proof (32)
+      client -> server  PROOF    client proof (32)
+      server -> client  frame {"ok": true, "run_id": ...}        (the first sealed frame)
+
+    run tag      = SHA-256("gemini-transport run" | run id)[:16]  (cheap early rejection)
+    X proof      = HMAC-SHA256(secret, "gemini-transport X proof" | len | run id | nonces)
+    session key  = HMAC-SHA256(secret, "gemini-transport session" | len | run id | nonces)
+
+    frame        json_len u32 | blob_len u32 | json | blob | MAC (32)
+    MAC          = HMAC-SHA256(session key, direction | seq u64 | json_len | blob_len |
+                               json | blob); direction is b"c" (to the server) or b"s";
+                   seq counts the frames of one direction of one connection from 0, so a
+                   frame cannot be replayed, reordered or reflected.
+
+    PUT   c: {"op":"put", run_id, rank, step, seq, world_size, data_len, meta_hash} + meta
+          s: {"ok":true} | {"ok":true,"have":true} (already held; nothing follows)
+          c: data_len raw bytes (sendfile from the slot's file)
+          c: {"op":"end","stable":bool}     s: {"ok":true,"step":S} | {"ok":true,"aborted":true}
+    GET   c: {"op":"get", rank, step}
+          s: {"ok":true, run_id, rank, step, seq, world_size, data_len, meta_hash} + meta
+          s: data_len raw bytes             s: {"op":"end","stable":bool}
+    any reply may instead be {"ok":false,"error":"..."}
+
+The raw data bytes are not MAC'd (an HMAC would cost more than the copy): the receiver
+verifies every tensor's xxh3 checksum, and the checksums come in the metadata, which is
+inside a MAC'd frame. Secrets never travel; nothing is unpickled; every length is checked
+against a hard limit before anything is allocated; every socket operation has a timeout.
+
+Data moves without copies through Python: the sender ``os.sendfile``\\ s from the slot's
+file in ``/dev/shm``, the receiver ``recv_into``\\ s straight into the target slot's mapping.
+A sender re-checks the slot's seqlock (:func:`launcher.memory.unchanged`) after the data
+and tells the receiver to discard bytes that may have been overwritten mid-send.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import mmap
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import xxhash
+
+from launcher import memory
+from launcher.errors import CheckpointError, ConfigError, ReplicationError, StorageError
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"GEMtrns1"
+NONCE_SIZE = 32
+TAG_SIZE = 16
+MAC_SIZE = 32
+HELLO = struct.Struct(f"<8s{NONCE_SIZE}s{TAG_SIZE}s")
+WELCOME = struct.Struct(f"<8s{NONCE_SIZE}s{MAC_SIZE}s")
+FRAME = struct.Struct("<II")
+_SEQ = struct.Struct("<Q")
+TO_SERVER = b"c"
+TO_CLIENT = b"s"
+
+MAX_JSON = 64 << 10
+"""Largest JSON part of a frame."""
+MAX_META = 64 << 20
+"""Largest blob (a slot's metadata) of a frame."""
+MAX_DATA = 1 << 46
+"""Largest data length a peer may announce."""
+MAX_RANK = (1 << 31) - 1
+MIN_SECRET = 16
+SEND_CHUNK = 8 << 20
+"""Bytes per ``os.sendfile`` call."""
+RECV_LOWAT = 1 << 20
+"""A receiver of data wakes up for this many bytes at a time (``SO_RCVLOWAT``), not for
+every packet: wake-ups, not copies, dominate a loopback or virtualised transfer."""
+
+_SERVER_PROOF = b"gemini-transport server proof"
+_CLIENT_PROOF = b"gemini-transport client proof"
+_SESSION = b"gemini-transport session"
+
+
+class SlotSource(Protocol):
+    """Where a :class:`Server` finds and puts slots; :class:`launcher.slots.SlotOwner`."""
+
+    def write_target(self, rank: int, nbytes: int, *, replica: bool) -> memory.Segment:
+        """A slot of at least ``nbytes`` that may be overwritten, already marked WRITING."""
+        ...
+
+    def find(self, rank: int, step: int) -> memory.Segment | None:
+        """A committed slot holding ``step`` of ``rank``, or None."""
+        ...
+
+
+# -- errors ---------------------------------------------------------------------------
+
+class _Broken(ReplicationError):
+    """The connection was closed or reset; ``clean`` when it happened between frames."""
+
+    def __init__(self, message: str, *, clean: bool = False) -> None:
+        super().__init__(message)
+        self.clean = clean
+
+
+class _Idle(ReplicationError):
+    """No frame started within the idle timeout."""
+
+
+class _Refused(ReplicationError):
+    """The peer answered ``ok: false``; the connection is still in step."""
+
+
+# -- frames (pure functions on bytes: no socket involved) -----------------------------
+
+def _mac(key: bytes, direction: bytes, seq: int, head: bytes, body: bytes, blob: bytes) -> bytes:
+    digest = hmac.new(key, direction + _SEQ.pack(seq) + head, hashlib.sha256)
+    digest.update(body)
+    digest.update(blob)
+    return digest.digest()
+
+
+def seal_raw(key: bytes, direction: bytes, seq: int, body: bytes, blob: bytes = b"") -> bytes:
+    """A frame carrying ``body`` (JSON bytes, not checked here) and ``blob``."""
+    if len(body) > MAX_JSON or len(blob) > MAX_META:
+        raise ReplicationError(f"frame too large ({len(body)} + {len(blob)} bytes)")
+    head = FRAME.pack(len(body), len(blob))
+    return head + body + blob + _mac(key, direction, seq, head, body, blob)
+
+
+def seal_frame(key: bytes, direction: bytes, seq: int, message: dict[str, Any],
+               blob: bytes = b"") -> bytes:
+    """The frame number ``seq`` of ``direction`` carrying ``message`` and ``blob``."""
+    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    return seal_raw(key, direction, seq, body, blob)
+
+
+def frame_lengths(head: bytes) -> tuple[int, int]:
+    """The JSON and blob lengths a frame header announces, checked against the limits."""
+    if len(head) != FRAME.size:
+        raise ReplicationError(f"truncated frame header ({len(head)} bytes)")
+    json_len, blob_len = FRAME.unpack(head)
+    if json_len > MAX_JSON or blob_len > MAX_META:
+        raise ReplicationError(f"oversized frame: {json_len} + {blob_len} bytes announced "
+                               f"(limits {MAX_JSON} + {MAX_META})")
+    return json_len, blob_len
+
+
+def open_frame(key: bytes, direction: bytes, seq: int, frame: bytes) -> tuple[dict[str, Any], bytes]:
+    """Check the MAC of one whole frame and decode it: its JSON object and its blob."""
+    if len(frame) < FRAME.size + MAC_SIZE:
+        raise ReplicationError(f"truncated frame ({len(frame)} bytes)")
+    json_len, blob_len = frame_lengths(frame[:FRAME.size])
+    end = FRAME.size + json_len + blob_len
+    if len(frame) != end + MAC_SIZE:
+        raise ReplicationError(f"frame of {len(frame)} bytes announces {end + MAC_SIZE}")
+    body = frame[FRAME.size:FRAME.size + json_len]
+    blob = frame[FRAME.size + json_len:end]
+    expected = _mac(key, direction, seq, frame[:FRAME.size], body, blob)
+    if not hmac.compare_digest(frame[end:], expected):
+        raise ReplicationError("bad frame MAC (forged, corrupted, replayed or reordered)")
+    return decode_json(body), blob
+
+
+def decode_json(body: bytes) -> dict[str, Any]:
+    """A JSON object from a frame; anything else is a ReplicationError."""
+    try:
+        message = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise ReplicationError(f"malformed frame JSON: {str(exc)[:200]}") from None
+    if not isinstance(message, dict):
+        raise ReplicationError("frame JSON is not an object")
+    return message
+
+
+def _int(message: dict[str, Any], key: str, low: int, high: int) -> int:
+    value = message.get(key)
+    if type(value) is not int or not low <= value <= high:
+        raise ReplicationError(f"invalid {key}: {str(value)[:40]!r} (want an int in [{low}, {high}])")
+    return value
+
+
+def _bool(message: dict[str, Any], key: str) -> bool:
+    value = message.get(key)
+    if not isinstance(value, bool):
+        raise ReplicationError(f"invalid {key}: {str(value)[:40]!r} (want a bool)")
+    return value
+
+
+@dataclass(frozen=True)
+class PutRequest:
+    """A peer offers the committed slot ``header`` describes, with its metadata."""
+
+    header: memory.SlotHeader
+    meta: bytes
+
+
+@dataclass(frozen=True)
+class GetRequest:
+    """A peer asks for committed ``step`` of ``rank``."""
+
+    rank: int
+    step: int
+
+
+def _slot_fields(message: dict[str, Any], meta: bytes, run_id: str) -> memory.SlotHeader:
+    if message.get("run_id") != run_id:
+        raise ReplicationError(f"run id {str(message.get('run_id'))[:80]!r} is not {run_id!r}")
+    world_size = _int(message, "world_size", 1, MAX_RANK)
+    header = memory.SlotHeader(
+        state=memory.SlotState.COMMITTED,
+        step=_int(message, "step", 0, (1 << 63) - 1),
+        seq=_int(message, "seq", 0, (1 << 64) - 1),
+        rank=_int(message, "rank", 0, world_size - 1),
+        world_size=world_size,
+        data_len=_int(message, "data_len", 0, MAX_DATA),
+        meta_offset=0, meta_len=len(meta),
+        meta_hash=_int(message, "meta_hash", 0, (1 << 64) - 1),
+        capacity=0, run_id=_header_run_id(run_id))
+    if xxhash.xxh3_64_intdigest(meta) != header.meta_hash:
+        raise ReplicationError("metadata does not match its hash")
+    return header
+
+
+def parse_request(message: dict[str, Any], blob: bytes, *, run_id: str) -> PutRequest | GetRequest:
+    """A validated request from a client's frame."""
+    op = message.get("op")
+    if op == "put":
+        return PutRequest(_slot_fields(message, blob, run_id), blob)
+    if op == "get":
+        if blob:
+            raise ReplicationError("unexpected blob in a get request")
+        return GetRequest(_int(message, "rank", 0, MAX_RANK), _int(message, "step", 0, (1 << 63) - 1))
+    raise ReplicationError(f"unknown op {str(op)[:40]!r}")
+
+
+def parse_reply(message: dict[str, Any]) -> dict[str, Any]:
+    """A reply that says ok; raises ReplicationError with the peer's reason otherwise."""
+    ok = _bool(message, "ok")
+    if not ok:
+        error = message.get("error")
+        raise _Refused(f"peer refused: {str(error)[:500]}")
+    return message
+
+
+def parse_slot_reply(message: dict[str, Any], meta: bytes, *, run_id: str, rank: int,
+                     step: int) -> memory.SlotHeader:
+    """The slot a GET reply announces, checked against what was asked."""
+    header = _slot_fields(parse_reply(message), meta, run_id)
+    if header.rank != rank or header.step != step:
+        raise ReplicationError(f"asked for rank {rank} step {step}, got rank {header.rank} "
+                               f"step {header.step}")
+    return header
+
+
+def parse_trailer(message: dict[str, Any]) -> bool:
+    """Whether the sender's slot stayed unchanged while its data was sent."""
+    if message.get("op") != "end":
+        raise ReplicationError(f"expected an end frame, got op {str(message.get('op'))[:40]!r}")
+    return _bool(message, "stable")
+
+
+# -- handshake ------------------------------------------------------------------------
+
+def run_tag(run_id: str) -> bytes:
+    return hashlib.sha256(b"gemini-transport run\0" + run_id.encode()).digest()[:TAG_SIZE]
+
+
+def _derive(secret: bytes, label: bytes, run_id: str, client_nonce: bytes,
+            server_nonce: bytes) -> bytes:
+    rid = run_id.encode()
+    message = label + b"\0" + struct.pack("<I", len(rid)) + rid + client_nonce + server_nonce
+    return hmac.new(secret, message, hashlib.sha256).digest()
+
+
+def parse_hello(data: bytes, *, run_id: str) -> bytes:
+    """The client nonce of a HELLO from a client of ``run_id``."""
+    if len(data) != HELLO.size:
+        raise ReplicationError(f"truncated hello ({len(data)} bytes)")
+    magic, nonce, tag = HELLO.unpack(data)
+    if magic != MAGIC:
+        raise ReplicationError("not a gemini transport client (bad magic)")
+    if not hmac.compare_digest(tag, run_tag(run_id)):
+        raise ReplicationError("client belongs to another run")
+    return bytes(nonce)
+
+
+def parse_welcome(data: bytes) -> tuple[bytes, bytes]:
+    """The server nonce and server proof of a WELCOME."""
+    if len(data) != WELCOME.size:
+        raise ReplicationError(f"truncated welcome ({len(data)} bytes)")
+    magic, nonce, proof = WELCOME.unpack(data)
+    if magic != MAGIC:
+        raise ReplicationError("not a gemini transport server (bad magic)")
+    return bytes(nonce), bytes(proof)
+
+
+def _check_secret(secret: bytes) -> None:
+    if not isinstance(secret, bytes) or len(secret) < MIN_SECRET:
+        raise ConfigError(f"the transport secret must be at least {MIN_SECRET} bytes",
+                          field="secret")
+
+
+def _header_run_id(run_id: str) -> str:
+    """``run_id`` as a slot header stores it (64 bytes at most)."""
+    return run_id.encode()[:64].decode(errors="replace")
+
+
+# -- socket I/O -----------------------------------------------------------------------
+
+def _recv_exact(sock: socket.socket, n: int, timeout: float, *, boundary: bool = False,
+                idle: float | None = None) -> bytes:
+    """Exactly ``n`` bytes within ``timeout``. With ``boundary`` (a frame starts here) a
+    close before the first byte is a clean :class:`_Broken`; with ``idle`` up to ``idle``
+    seconds may pass before the first byte (then an :class:`_Idle`), and ``timeout``
+    counts from that byte."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    deadline = None if idle is not None else time.monotonic() + timeout
+    try:
+        while got < n:
+            if deadline is None:
+                sock.settimeout(idle)
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                sock.settimeout(remaining)
+            try:
+                k = sock.recv_into(view[got:], n - got)
+            except TimeoutError:
+                if got == 0 and idle is not None:
+                    raise _Idle(f"no frame within {idle} s") from None
+                raise
+            if k == 0:
+                if got == 0:
+                    raise _Broken("peer closed the connection", clean=boundary or idle is not None)
+                raise _Broken(f"truncated frame: peer closed after {got} of {n} bytes")
+            got += k
+            if deadline is None:
+                deadline = time.monotonic() + timeout
+    except TimeoutError:
+        raise ReplicationError(f"timed out after {got} of {n} bytes of a frame") from None
+    except OSError as exc:
+        raise _Broken(f"connection lost after {got} of {n} bytes of a frame: {exc}") from None
+    finally:
+        view.release()
+    return bytes(buf)
+
+
+def _sendall(sock: socket.socket, data: bytes, timeout: float) -> None:
+    try:
+        sock.settimeout(timeout)
+        sock.sendall(data)
+    except TimeoutError:
+        raise ReplicationError(f"timed out sending {len(data)} bytes") from None
+    except OSError as exc:
+        raise _Broken(f"connection lost: {exc}") from None
+
+
+def _recv_data(sock: socket.socket, view: memoryview, timeout: float) -> None:
+    """Fill ``view`` from ``sock``; ``timeout`` bounds each wait for the next
+    :data:`RECV_LOWAT` bytes (or the rest, when fewer are left)."""
+    n = len(view)
+    got = 0
+    lowat = 1
+    try:
+        sock.settimeout(timeout)
+        while got < n:
+            want = min(RECV_LOWAT, n - got)
+            if want != lowat:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                lowat = want
+            k = sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise _Broken(f"truncated data: peer closed after {got} of {n} bytes")
+            got += k
+        if lowat != 1:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+    except TimeoutError:
+        raise ReplicationError(f"data stalled for {timeout} s after {got} of {n} bytes") from None
+    except OSError as exc:
+        raise _Broken(f"connection lost after {got} of {n} data bytes: {exc}") from None
+
+
+def _send_file(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
+               max_rate: float | None = None) -> None:
+    """Send ``count`` bytes of file ``fd`` from ``offset`` with ``os.sendfile``; with
+    ``max_rate`` sleep as needed to keep the average at most ``max_rate`` bytes/s."""
+    sent = 0
+    start = time.monotonic()
+    try:
+        sock.settimeout(timeout)  # the descriptor is non-blocking from here on
+        out = sock.fileno()
+        poller = select.poll()
+        poller.register(out, select.POLLOUT)
+        while sent < count:
+            try:
+                k = os.sendfile(out, fd, offset + sent, min(count - sent, SEND_CHUNK))
+            except BlockingIOError:
+                if not poller.poll(timeout * 1000):
+                    raise ReplicationError(f"peer stopped reading for {timeout} s after "
+                                           f"{sent} of {count} bytes") from None
+                continue
+            if k == 0:
+                raise ReplicationError(f"slot file ended after {sent} of {count} data bytes")
+            sent += k
+            if max_rate is not None:
+                ahead = sent / max_rate - (time.monotonic() - start)
+                if ahead > 0.002:
+                    time.sleep(ahead)
+    except OSError as exc:
+        raise _Broken(f"connection lost after {sent} of {count} data bytes: {exc}") from None
+
+
+def _need(data_len: int, meta_len: int) -> int:
+    """Bytes a slot needs to hold ``data_len`` data and ``meta_len`` metadata bytes."""
+    return memory.HEADER_SIZE + (data_len + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN + meta_len
+
+
+class _Channel:
+    """An authenticated connection: sealed control frames, and raw data in between."""
+
+    def __init__(self, sock: socket.socket, key: bytes, *, outgoing: bytes, incoming: bytes,
+                 timeout: float) -> None:
+        self.sock = sock
+        self.timeout = timeout
+        self._key = key
+        self._out = outgoing
+        self._in = incoming
+        self._sent = 0
+        self._received = 0
+
+    def send(self, message: dict[str, Any], blob: bytes = b"") -> None:
+        frame = seal_frame(self._key, self._out, self._sent, message, blob)
+        self._sent += 1
+        _sendall(self.sock, frame, self.timeout)
+
+    def recv(self, *, idle: float | None = None) -> tuple[dict[str, Any], bytes]:
+        head = _recv_exact(self.sock, FRAME.size, self.timeout, boundary=True, idle=idle)
+        json_len, blob_len = frame_lengths(head)
+        rest = _recv_exact(self.sock, json_len + blob_len + MAC_SIZE, self.timeout)
+        message, blob = open_frame(self._key, self._in, self._received, head + rest)
+        self._received += 1
+        return message, blob
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _connect(address: tuple[str, int], *, secret: bytes, run_id: str, timeout: float) -> _Channel:
+    """Open and authenticate a connection to the server at ``address``."""
+    peer = f"{address[0]}:{address[1]}"
+    try:
+        sock = socket.create_connection(address, timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError as exc:
+        raise ReplicationError(f"cannot connect to {peer}: {exc}") from None
+    try:
+        client_nonce = secrets.token_bytes(NONCE_SIZE)
+        _sendall(sock, HELLO.pack(MAGIC, client_nonce, run_tag(run_id)), timeout)
+        server_nonce, proof = parse_welcome(_recv_exact(sock, WELCOME.size, timeout))
+        # Prove ourselves first so that a server with another secret can say so in its log.
+        _sendall(sock, _derive(secret, _CLIENT_PROOF, run_id, client_nonce, server_nonce), timeout)
+        expected = _derive(secret, _SERVER_PROOF, run_id, client_nonce, server_nonce)
+        if not hmac.compare_digest(proof, expected):
+            raise ReplicationError(f"{peer} failed authentication (another secret or run id)")
+        key = _derive(secret, _SESSION, run_id, client_nonce, server_nonce)
+        channel = _Channel(sock, key, outgoing=TO_SERVER, incoming=TO_CLIENT, timeout=timeout)
+        parse_reply(channel.recv()[0])
+        return channel
+    except _Broken as exc:
+        sock.close()
+        raise ReplicationError(f"{peer} closed the connection during authentication "
+                               f"(another secret or run id?): {exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+
+
+class _SourceFile:
+    """The file behind a slot, opened read-only: its data is sent with ``os.sendfile``
+    and its header page is mapped for the seqlock check, so both always see the same file
+    even if the owner recreates the segment meanwhile."""
+
+    def __init__(self, segment: memory.Segment) -> None:
+        path = memory.SHM_DIR / segment.name
+        try:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ReplicationError(f"cannot open slot {segment.name}: {exc.strerror}") from None
+        try:
+            self.size = os.fstat(self.fd).st_size
+            if self.size < memory.HEADER_SIZE:
+                raise ReplicationError(f"slot {segment.name} is not a gemini slot")
+            self.head = mmap.mmap(self.fd, memory.HEADER_SIZE, prot=mmap.PROT_READ)
+        except OSError as exc:
+            os.close(self.fd)
+            raise ReplicationError(f"cannot map slot {segment.name}: {exc.strerror}") from None
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.name = segment.name
+
+    def snapshot(self) -> tuple[memory.SlotHeader, bytes] | None:
+        """The committed header and metadata, or None if the slot holds no committed step
+        (or is being rewritten)."""
+        header = memory.read_header(self.head)
+        if header is None or header.state is not memory.SlotState.COMMITTED:
+            return None
+        end = header.meta_offset + header.meta_len
+        if (header.meta_offset < memory.HEADER_SIZE + header.data_len or end > self.size
+                or header.meta_len > MAX_META):
+            if not memory.unchanged(self.head, header):
+                return None
+            raise ReplicationError(f"slot {self.name} has an inconsistent header")
+        try:
+            meta = os.pread(self.fd, header.meta_len, header.meta_offset)
+        except OSError as exc:
+            raise ReplicationError(f"cannot read slot {self.name}: {exc.strerror}") from None
+        if not memory.unchanged(self.head, header):
+            return None
+        if xxhash.xxh3_64_intdigest(meta) != header.meta_hash:
+            raise ReplicationError(f"slot {self.name}: metadata checksum mismatch")
+        return header, meta
+
+    def unchanged(self, header: memory.SlotHeader) -> bool:
+        return memory.unchanged(self.head, header)
+
+    def close(self) -> None:
+        self.head.close()
+        os.close(self.fd)
+
+
+def _slot_message(header: memory.SlotHeader, run_id: str) -> dict[str, Any]:
+    return {"run_id": run_id, "rank": header.rank, "step": header.step, "seq": header.seq,
+            "world_size": header.world_size, "data_len": header.data_len,
+            "meta_hash": header.meta_hash}
+
+
+# -- server ---------------------------------------------------------------------------
+
+class Server:
+    """Serves PUT and GET to authenticated peers: one accept thread, one thread per
+    connection. A rejected connection (failed authentication, malformed or oversized
+    frame, bad MAC, bad request, stall, data that fails verification) is logged, reported
+    to ``on_reject(peer, reason)`` and closed; it never changes a committed slot. Each
+    replica committed is reported to ``on_replica(rank, step)`` before the pusher is told.
+    Callbacks run on connection threads and must be quick."""
+
+    def __init__(self, slots: SlotSource, *, secret: bytes, run_id: str,
+                 host: str = "127.0.0.1", port: int = 0,
+                 on_reject: Callable[[str, str], None] | None = None,
+                 on_replica: Callable[[int, int], None] | None = None,
+                 timeout: float = 30.0, handshake_timeout: float = 10.0,
+                 idle_timeout: float = 600.0, max_connections: int = 64) -> None:
+        """Listen on ``host:port`` (0: any free port, see :attr:`address`). ``timeout``
+        bounds every wait once a frame or the data has started, ``handshake_timeout`` the
+        whole handshake, ``idle_timeout`` the wait for a client's next request."""
+        _check_secret(secret)
+        self.slots = slots
+        self.run_id = run_id
+        self.timeout = timeout
+        self.handshake_timeout = handshake_timeout
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self._secret = secret
+        self._on_reject = on_reject
+        self._on_replica = on_replica
+        self._lock = threading.Lock()
+        self._rank_locks: dict[int, threading.Lock] = {}
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        self._closed = False
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            self._sock = socket.create_server((host, port), family=family, backlog=64)
+        except OSError as exc:
+            raise ReplicationError(f"cannot listen on {host}:{port}: {exc}") from None
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._thread = threading.Thread(target=self._accept_loop, daemon=True,
+                                        name=f"gemini-transport-{self.address[1]}")
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting, drop every connection and join the threads (idempotent)."""
+        with self._lock:
+            self._closed = True
+            threads = list(self._conns.values())
+            for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._sock.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.timeout)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=self.timeout)
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, addr = self._sock.accept()
+            except OSError as exc:
+                if self._closed:
+                    return
+                logger.warning("transport: accept failed: %s", exc)
+                time.sleep(0.1)
+                continue
+            peer = f"{addr[0]}:{addr[1]}"
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    thread = threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
+                                              name=f"gemini-transport-{peer}")
+                    self._conns[conn] = thread
+                    thread.start()  # under the lock: close() never joins an unstarted thread
+            if full:
+                conn.close()
+                self._reject(peer, f"too many connections ({self.max_connections})")
+
+    def _reject(self, peer: str, reason: str) -> None:
+        logger.warning("transport: rejected %s: %s", peer, reason)
+        if self._on_reject is not None:
+            try:
+                self._on_reject(peer, reason)
+            except Exception:
+                logger.exception("transport: on_reject callback failed")
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as exc:
+                raise _Broken(f"connection lost: {exc}", clean=True) from None
+            channel = self._authenticate(conn)
+            while not self._closed:
+                try:
+                    message, blob = channel.recv(idle=self.idle_timeout)
+                except _Idle:
+                    logger.debug("transport: closing idle connection from %s", peer)
+                    return
+                try:
+                    request = parse_request(message, blob, run_id=self.run_id)
+                except ReplicationError as exc:
+                    self._try_reply(channel, {"ok": False, "error": f"bad request: {exc}"})
+                    raise ReplicationError(f"bad request: {exc}") from None
+                if isinstance(request, PutRequest):
+                    self._put(channel, request, peer)
+                else:
+                    self._get(channel, request)
+        except ReplicationError as exc:
+            if self._closed:
+                logger.debug("transport: dropped %s on close: %s", peer, exc)
+            elif not (isinstance(exc, _Broken) and exc.clean):
+                self._reject(peer, str(exc))
+        except Exception:  # a bug: keep the server up, say where
+            logger.exception("transport: unexpected error serving %s", peer)
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+                conn.close()
+
+    def _authenticate(self, conn: socket.socket) -> _Channel:
+        deadline = time.monotonic() + self.handshake_timeout
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.001)
+
+        # a close before the first byte (a port probe) is clean: not reported
+        hello = _recv_exact(conn, HELLO.size, left(), boundary=True)
+        client_nonce = parse_hello(hello, run_id=self.run_id)
+        server_nonce = secrets.token_bytes(NONCE_SIZE)
+        proof = _derive(self._secret, _SERVER_PROOF, self.run_id, client_nonce, server_nonce)
+        _sendall(conn, WELCOME.pack(MAGIC, server_nonce, proof), left())
+        try:
+            answer = _recv_exact(conn, MAC_SIZE, left())
+        except _Broken as exc:
+            raise ReplicationError(f"authentication failed: client hung up ({exc}); it "
+                                   f"probably has another secret or run id") from None
+        expected = _derive(self._secret, _CLIENT_PROOF, self.run_id, client_nonce, server_nonce)
+        if not hmac.compare_digest(answer, expected):
+            raise ReplicationError("authentication failed: bad client proof (another secret?)")
+        key = _derive(self._secret, _SESSION, self.run_id, client_nonce, server_nonce)
+        channel = _Channel(conn, key, outgoing=TO_CLIENT, incoming=TO_SERVER, timeout=self.timeout)
+        channel.send({"ok": True, "run_id": self.run_id})
+        return channel
+
+    @staticmethod
+    def _try_reply(channel: _Channel, message: dict[str, Any]) -> None:
+        try:
+            channel.send(message)
+        except ReplicationError:
+            pass
+
+    def _rank_lock(self, rank: int) -> threading.Lock:
+        with self._lock:
+            return self._rank_locks.setdefault(rank, threading.Lock())
+
+    def _held(self, header: memory.SlotHeader) -> bool:
+        """Whether this host already holds exactly the slot ``header`` describes."""
+        segment = self.slots.find(header.rank, header.step)
+        if segment is None:
+            return False
+        try:
+            held = memory.read_header(segment.view)
+        except StorageError:
+            return False
+        return (held is not None and held.state is memory.SlotState.COMMITTED
+                and held.seq == header.seq and held.meta_hash == header.meta_hash
+                and held.data_len == header.data_len)
+
+    def _put(self, channel: _Channel, request: PutRequest, peer: str) -> None:
+        header = request.header
+        lock = self._rank_lock(header.rank)
+        if not lock.acquire(timeout=self.timeout):
+            channel.send({"ok": False, "error": f"rank {header.rank} is busy receiving"})
+            return
+        try:
+            if self._held(header):
+                channel.send({"ok": True, "have": True})
+                return
+            need = _need(header.data_len, len(request.meta))
+            try:
+                segment = self.slots.write_target(
+                    header.rank, memory.slot_size(header.data_len, len(request.meta)), replica=True)
+                too_small = segment.size < need
+                buf = segment.view
+            except StorageError as exc:
+                logger.warning("transport: no slot for rank %d from %s: %s", header.rank, peer, exc)
+                channel.send({"ok": False, "error": f"no slot for rank {header.rank}: {exc}"})
+                return
+            if too_small:
+                channel.send({"ok": False, "error": f"slot {segment.name} is smaller than {need}"})
+                return
+            channel.send({"ok": True})
+            with memoryview(buf) as whole, \
+                    whole[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len] as data:
+                _recv_data(channel.sock, data, self.timeout)
+            stable = parse_trailer(channel.recv()[0])
+            if not stable:
+                channel.send({"ok": True, "aborted": True})
+                logger.info("transport: %s aborted rank %d step %d (its slot changed)", peer,
+                            header.rank, header.step)
+                return
+            try:
+                memory.commit_received(buf, header, request.meta)
+            except (CheckpointError, StorageError, RecursionError) as exc:
+                self._try_reply(channel, {"ok": False, "error": f"verification failed: {exc}"})
+                raise ReplicationError(f"rank {header.rank} step {header.step} failed "
+                                       f"verification: {exc}") from None
+            logger.debug("transport: replica of rank %d step %d from %s", header.rank,
+                         header.step, peer)
+            if self._on_replica is not None:  # before the pusher hears of it
+                try:
+                    self._on_replica(header.rank, header.step)
+                except Exception:
+                    logger.exception("transport: on_replica callback failed")
+            channel.send({"ok": True, "step": header.step})
+        finally:
+            lock.release()
+
+    def _get(self, channel: _Channel, request: GetRequest) -> None:
+        missing = {"ok": False, "error": f"rank {request.rank} step {request.step} is not held here"}
+        segment = self.slots.find(request.rank, request.step)
+        if segment is None:
+            channel.send(missing)
+            return
+        try:
+            source = _SourceFile(segment)
+        except ReplicationError as exc:
+            channel.send({"ok": False, "error": str(exc)})
+            return
+        try:
+            snapshot = source.snapshot()
+            if snapshot is None or snapshot[0].rank != request.rank or snapshot[0].step != request.step:
+                channel.send(missing)
+                return
+            header, meta = snapshot
+            channel.send({"ok": True, **_slot_message(header, self.run_id)}, meta)
+            _send_file(channel.sock, source.fd, memory.HEADER_SIZE, header.data_len, self.timeout)
+            channel.send({"op": "end", "stable": source.unchanged(header)})
+        finally:
+            source.close()
+
+
+# -- client ---------------------------------------------------------------------------
+
+class Client:
+    """One authenticated connection to a peer's :class:`Server` (thread-safe: operations
+    take turns). A connection found broken is reopened once per operation."""
+
+    def __init__(self, address: tuple[str, int], *, secret: bytes, run_id: str,
+                 timeout: float = 30.0) -> None:
+        _check_secret(secret)
+        self.address = address
+        self.run_id = run_id
+        self.timeout = timeout
+        self._secret = secret
+        self._lock = threading.Lock()
+        self._channel: _Channel | None = None
+
+    @property
+    def peer(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+    def close(self) -> None:
+        """Close the connection (idempotent); a later operation opens a new one."""
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def _call(self, op: Callable[[_Channel], Any]) -> Any:
+        with self._lock:
+            for attempt in range(2):
+                reused = self._channel is not None
+                if self._channel is None:
+                    self._channel = _connect(self.address, secret=self._secret,
+                                             run_id=self.run_id, timeout=self.timeout)
+                try:
+                    return op(self._channel)
+                except _Refused:
+                    raise
+                except _Broken as exc:
+                    self._drop()
+                    if reused and attempt == 0:
+                        logger.debug("transport: reconnecting to %s: %s", self.peer, exc)
+                        continue
+                    raise ReplicationError(f"{self.peer}: {exc}") from None
+                except BaseException:
+                    self._drop()
+                    raise
+            raise AssertionError("unreachable")
+
+    def push(self, segment: memory.Segment, *, max_rate: float | None = None) -> int | None:
+        """Send the committed step ``segment`` holds to the peer, which verifies and
+        commits it in a replica slot; return that step. Return None without sending when
+        the slot holds no committed step, and None after sending when the slot changed
+        meanwhile (the peer discards it). ``max_rate`` caps the average data rate
+        (bytes/s)."""
+        if max_rate is not None and not max_rate > 0:
+            raise ReplicationError(f"max_rate must be positive, not {max_rate}")
+        source = _SourceFile(segment)
+        try:
+            snapshot = source.snapshot()
+            if snapshot is None:
+                return None
+            header, meta = snapshot
+            if header.run_id != _header_run_id(self.run_id):
+                raise ReplicationError(f"slot {segment.name} belongs to run {header.run_id!r}")
+            if len(meta) > MAX_META or header.data_len > MAX_DATA:
+                raise ReplicationError(f"slot {segment.name} is too large to send")
+            result: int | None = self._call(lambda ch: self._push(ch, source, header, meta, max_rate))
+            return result
+        finally:
+            source.close()
+
+    def _push(self, channel: _Channel, source: _SourceFile, header: memory.SlotHeader,
+              meta: bytes, max_rate: float | None) -> int | None:
+        channel.send({"op": "put", **_slot_message(header, self.run_id)}, meta)
+        if parse_reply(channel.recv()[0]).get("have") is True:
+            return header.step
+        _send_file(channel.sock, source.fd, memory.HEADER_SIZE, header.data_len, self.timeout,
+                   max_rate=max_rate)
+        stable = source.unchanged(header)
+        channel.send({"op": "end", "stable": stable})
+        reply = parse_reply(channel.recv()[0])
+        if not stable:
+            return None
+        if reply.get("step") != header.step:
+            raise ReplicationError(f"{self.peer} did not confirm step {header.step}")
+        return header.step
+
+    def pull(self, rank: int, step: int, target: Callable[[int], memory.Segment]) -> memory.SlotHeader:
+        """Fetch committed ``step`` of ``rank`` from the peer into ``target(nbytes)`` (a
+        WRITING slot of at least ``nbytes``), verify and commit it; return its header.
+        Raises ReplicationError when the peer lacks it, its slot changed while sending,
+        or the bytes fail verification (the target then stays WRITING)."""
+        if type(rank) is not int or type(step) is not int or rank < 0 or step < 0:
+            raise ReplicationError(f"invalid rank {rank!r} or step {step!r}")
+        result: memory.SlotHeader = self._call(lambda ch: self._pull(ch, rank, step, target))
+        return result
+
+    def _pull(self, channel: _Channel, rank: int, step: int,
+              target: Callable[[int], memory.Segment]) -> memory.SlotHeader:
+        channel.send({"op": "get", "rank": rank, "step": step})
+        message, meta = channel.recv()
+        header = parse_slot_reply(message, meta, run_id=self.run_id, rank=rank, step=step)
+        segment = target(memory.slot_size(header.data_len, len(meta)))
+        need = _need(header.data_len, len(meta))
+        if segment.size < need:
+            raise ReplicationError(f"target slot {segment.name} has {segment.size} bytes, "
+                                   f"needs {need}")
+        buf = segment.view
+        with memoryview(buf) as whole, \
+                whole[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len] as data:
+            _recv_data(channel.sock, data, self.timeout)
+        if not parse_trailer(channel.recv()[0]):
+            raise _Refused(f"{self.peer}'s slot of rank {rank} step {step} changed while sending")
+        try:
+            memory.commit_received(buf, header, meta)
+        except (CheckpointError, StorageError, RecursionError) as exc:
+            raise _Refused(f"rank {rank} step {step} from {self.peer} failed verification: "
+                           f"{exc}") from None
+        committed = memory.read_header(buf)
+        if committed is None:
+            raise ReplicationError(f"target slot {segment.name} lost its header")
+        return committed

@@ -1,0 +1,50 @@
+"""Which step to restore and from where: pure decisions over every tier."""
+
+from __future__ import annotations
+
+from launcher.recovery import RestorePlan, Source, Tier, choose_step, gather_sources, plan_restore
+
+MEMORY, PERSIST = Source(Tier.MEMORY), Source(Tier.PERSIST)
+
+
+def peer(node: int) -> Source:
+    return Source(Tier.PEER, node)
+
+
+def test_choose_step() -> None:
+    assert choose_step({0: [3, 4], 1: [4, 5]}, 2) == 4
+    assert choose_step({0: [3, 4], 1: [5]}, 2) is None
+    assert choose_step({0: [3, 4]}, 2) is None
+    assert choose_step({}, 1) is None
+    assert choose_step({0: [7, 2], 1: [2, 7], 2: [7]}, 3) == 7
+
+
+def test_a_lost_host_comes_back_from_a_peer_at_the_newest_common_step() -> None:
+    # node 0 runs ranks 0-1 and keeps node 1's replicas; node 1 (ranks 2-3) was replaced
+    reports = {
+        0: {"local": {"0": [9, 10], "1": [9, 10]}, "replicas": {"2": [8, 9], "3": [8, 9]}},
+        1: {"local": {}, "replicas": {"0": [8, 9], "1": [8, 9]}},
+    }
+    plan = plan_restore(gather_sources(reports), 4)
+    assert plan.step == 9
+    assert plan.sources[0] == [MEMORY, peer(1)]
+    assert plan.sources[2] == [peer(0)]
+
+
+def test_a_lost_group_falls_back_to_the_persistent_tier() -> None:
+    reports = {
+        0: {"local": {"0": [20, 21]}, "replicas": {}, "persist": {"0": [10, 15]}},
+        1: {"local": {}, "replicas": {}, "persist": {"1": [10, 15]}},
+    }
+    plan = plan_restore(gather_sources(reports), 2)
+    assert plan == RestorePlan(15, {0: [PERSIST], 1: [PERSIST]})
+
+
+def test_faster_tiers_first_and_nothing_common_means_a_fresh_start() -> None:
+    reports = {
+        2: {"local": {"0": [5]}, "replicas": {"0": [5]}, "persist": {"0": [5]}},
+        1: {"replicas": {"0": [5]}},
+    }
+    assert plan_restore(gather_sources(reports), 1).sources[0] == [MEMORY, peer(1), peer(2), PERSIST]
+    assert plan_restore(gather_sources(reports), 2) == RestorePlan(None)
+    assert plan_restore({}, 1) == RestorePlan(None)

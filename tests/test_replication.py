@@ -1,0 +1,167 @@
+"""Whole-host failures: several supervisors on one machine stand in for several hosts.
+
+Each simulated host is a ``gemini run`` with its own shared memory: a private tmpfs on
+/dev/shm in its own mount namespace when the tests run as root (so killing the host's
+processes really frees its memory), else its own GEMINI_SHM_DIR, deleted on kill. A
+killed host is replaced by a new ``gemini run`` that takes its node slot and pulls its
+shards from a peer's memory (or, when a whole placement group is lost, every rank
+restores from the persistent tier). The resumed run must end bitwise identical to a run
+that never failed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from etcd_server import EtcdServer
+from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, run
+
+# per-gradient all_reduce: bitwise reproducible across restarts with more than 2 ranks
+TRAIN = (str(SCRIPTS / "train_ckpt.py"), "--grad-sync", "params")
+STEPS = 60
+ROOT = os.geteuid() == 0
+
+pytestmark = pytest.mark.etcd
+
+
+class Host:
+    """One simulated host: a ``gemini run`` with private shared memory and an output file."""
+
+    def __init__(self, tmp: Path, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.log = tmp / f"{name}.log"
+        self.shm = tmp / f"{name}-shm"
+        self.shm.mkdir(exist_ok=True)
+        env = env_with(tmp, GEMINI_HOST_ID=name, GEMINI_SHM_DIR=str(self.shm))
+        cmd = " ".join(shlex.quote(a) for a in argv)
+        if ROOT:  # a private tmpfs: the host's memory dies with its mount namespace
+            cmd = f"mount -t tmpfs -o size=512m tmpfs {shlex.quote(str(self.shm))} && exec {cmd}"
+            argv = ["unshare", "--mount", "sh", "-c", cmd]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                         env=env, start_new_session=True)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """The whole host at once: supervisor, workers (in sessions of their own) and
+        (without root) its memory."""
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        kill_group(self.proc)
+        for child in tree:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(timeout=30)
+        if not ROOT:
+            shutil.rmtree(self.shm, ignore_errors=True)
+
+
+def _slots(tmp: Path) -> dict[str, int]:
+    """Node slot of each host, from its newest rendezvous event."""
+    found: dict[str, int] = {}
+    for event in events(tmp / "runs"):
+        if event["event"] == "rendezvous":
+            found[str(event["host"])] = int(event["group_rank"])  # type: ignore[call-overload]
+    return found
+
+
+def _wait(predicate, timeout: float, what: str, hosts: list[Host]) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            logs = "\n".join(f"--- {h.name}\n{h.output()[-2500:]}" for h in hosts)
+            raise AssertionError(f"timed out waiting for {what}\n{logs}")
+        time.sleep(0.2)
+
+
+def _reference(tmp: Path, world: int) -> dict:
+    """The same training on one supervisor with the same world size, with no failure."""
+    out = tmp / "reference.pt"
+    done = run([*GEMINI, "run", "--nproc-per-node", str(world), "--no-standby", *TRAIN,
+                "--steps", str(STEPS), "--out", str(out)],
+               env=env_with(tmp / "ref", GEMINI_HOST_ID="ref"), timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    return torch.load(out)
+
+
+def _assert_bitwise(got: dict, want: dict) -> None:
+    for key in ("model", "opt"):
+        flat_got, flat_want = _tensors(got[key]), _tensors(want[key])
+        assert flat_got.keys() == flat_want.keys()
+        for name, tensor in flat_want.items():
+            assert torch.equal(flat_got[name], tensor), f"{key} {name} differs"
+    assert got["samples"] == want["samples"]
+    assert torch.equal(got["rng"], want["rng"])
+
+
+def _tensors(tree: object, path: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {path: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _tensors(value, f"{path}/{key}").items()}
+    if isinstance(tree, (list, tuple)):
+        return {k: v for i, value in enumerate(tree) for k, v in _tensors(value, f"{path}/{i}").items()}
+    return {}
+
+
+def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str) -> list[dict]:
+    """Train on ``nodes`` hosts of 2 workers; once past step 20 kill the hosts in node
+    slots ``victims`` and start one replacement each; return every restore_plan event of
+    the replacements' first round. The output of rank 0 goes to ``tmp/out.pt``."""
+    hosts: list[Host] = []
+    with EtcdServer() as etcd:
+        def argv() -> list[str]:
+            return [*GEMINI, "run", "--nnodes", str(nodes), "--nproc-per-node", "2",
+                    "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                    "--rdzv-id", "repl", "--rdzv-conf", "last_call_timeout=1",
+                    "--store", etcd.url, "--host-ttl", "3", "--max-restarts", "5",
+                    "--replication-addr", "127.0.0.1", "--no-standby", *extra,
+                    *TRAIN, "--steps", str(STEPS), "--sleep", "0.1", "--out", str(tmp / "out.pt")]
+
+        try:
+            hosts = [Host(tmp, f"h{i}", argv()) for i in range(nodes)]
+            _wait(lambda: len(_slots(tmp)) == nodes, 120, "every host in the rendezvous", hosts)
+            by_slot = {slot: name for name, slot in _slots(tmp).items()}
+            rank0 = next(h for h in hosts if h.name == by_slot[0])
+            _wait(lambda: re.search(r"^step 2\d ", rank0.output(), re.M) is not None, 180,
+                  "step 20", hosts)
+            for slot in victims:
+                next(h for h in hosts if h.name == by_slot[slot]).kill()
+            for i, _ in enumerate(victims):
+                hosts.append(Host(tmp, f"new{i}", argv()))
+            for host in hosts:
+                if host.name not in {by_slot[s] for s in victims}:
+                    _wait(lambda h=host: h.proc.poll() is not None, 300, f"{host.name} to finish",
+                          hosts)
+                    assert host.proc.returncode == 0, host.output()[-4000:]
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    return [e for e in events(tmp / "runs")
+            if e["event"] == "restore_plan" and str(e["host"]).startswith("new")]
+
+
+@pytest.mark.parametrize("nodes", [3, 4])
+def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int) -> None:
+    reference = _reference(tmp_path, 2 * nodes)
+    plans = _run_and_replace(tmp_path, nodes, [1])
+    assert plans, "the replacement host never planned a restore"
+    first = plans[0]
+    assert first["step"] is not None and first["step"] >= 15, first
+    assert set(first["sources"].values()) == {"peer"}, first  # type: ignore[union-attr]
+    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)

@@ -1,0 +1,634 @@
+"""The supervisor-to-supervisor transport over real loopback sockets and real shared memory.
+
+Two (or three) SlotOwners with different host ids stand in for hosts; slots are filled
+with random bytes and hook-format metadata (xxh3 per tensor) and committed with
+``memory.write_commit``. Hostile peers are raw sockets or channels that speak just enough
+of the protocol to misbehave at a chosen point.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import xxhash
+
+from launcher import memory
+from launcher.errors import ConfigError, ReplicationError
+from launcher.replication import transport
+from launcher.replication.transport import (
+    FRAME,
+    HELLO,
+    MAGIC,
+    MAX_JSON,
+    MAX_META,
+    TO_CLIENT,
+    TO_SERVER,
+    Client,
+    GetRequest,
+    PutRequest,
+    Server,
+)
+from launcher.slots import SlotOwner
+
+SECRET = b"0123456789abcdef-test-secret"
+WORLD = 2
+_seq = itertools.count(1)
+
+
+def make_meta(data: bytes, step: int) -> bytes:
+    """Hook-format metadata for ``data`` as two tensors with xxh3 checksums."""
+    half = len(data) // 2
+    tensors = [{"path": path, "dtype": "uint8", "shape": [end - start], "offset": start,
+                "nbytes": end - start, "device": "cpu",
+                "xxh3": f"{xxhash.xxh3_64_intdigest(data[start:end]):016x}"}
+               for path, start, end in (("a", 0, half), ("b", half, len(data)))]
+    return json.dumps({"step": step, "tensors": tensors, "blocks": [], "tree": {}}).encode()
+
+
+def fill(owner: SlotOwner, rank: int, step: int, data: bytes) -> memory.Segment:
+    """Commit ``data`` as ``step`` of ``rank`` in one of ``owner``'s own slots."""
+    meta = make_meta(data, step)
+    segment = owner.write_target(rank, memory.slot_size(len(data), len(meta)), replica=False)
+    segment.view[memory.HEADER_SIZE:memory.HEADER_SIZE + len(data)] = data
+    memory.write_commit(segment.view, step=step, seq=next(_seq), rank=rank, world_size=WORLD,
+                        run_id=owner.run_id, data_len=len(data), meta=meta)
+    return segment
+
+
+def slot_bytes(segment: memory.Segment) -> bytes:
+    header = memory.read_header(segment.view)
+    assert header is not None
+    return bytes(segment.view[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len])
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+@dataclass
+class Net:
+    """Host a (pusher), host b (runs the server), and what b's server reported."""
+
+    run_id: str
+    a: SlotOwner
+    b: SlotOwner
+    rejects: list[tuple[str, str]] = field(default_factory=list)
+    replicas: list[tuple[int, int]] = field(default_factory=list)
+    servers: list[Server] = field(default_factory=list)
+    clients: list[Client] = field(default_factory=list)
+
+    def server(self, **kwargs: Any) -> Server:
+        server = Server(self.b, secret=SECRET, run_id=self.run_id,
+                        on_reject=lambda peer, reason: self.rejects.append((peer, reason)),
+                        on_replica=lambda rank, step: self.replicas.append((rank, step)), **kwargs)
+        self.servers.append(server)
+        return server
+
+    def client(self, server: Server, *, secret: bytes = SECRET, run_id: str | None = None,
+               timeout: float = 10.0) -> Client:
+        client = Client(server.address, secret=secret, run_id=run_id or self.run_id,
+                        timeout=timeout)
+        self.clients.append(client)
+        return client
+
+    def channel(self, server: Server) -> transport._Channel:
+        """A raw authenticated connection, for playing a misbehaving peer."""
+        return transport._connect(server.address, secret=SECRET, run_id=self.run_id, timeout=5.0)
+
+    def replica_steps(self) -> list[int]:
+        return self.b.holdings(None, WORLD, replica=True).get(0, [])
+
+    def reasons(self) -> str:
+        return " | ".join(reason for _, reason in self.rejects)
+
+    def wait_reject(self, text: str) -> None:
+        assert wait_for(lambda: text in self.reasons()), f"no reject with {text!r}: {self.rejects}"
+
+
+@pytest.fixture
+def net(request: pytest.FixtureRequest) -> Iterator[Net]:
+    run_id = f"test-{os.getpid()}-{request.node.name}"
+    a = SlotOwner(run_id=run_id, host_id="ha", local_world_size=1)
+    b = SlotOwner(run_id=run_id, host_id="hb", local_world_size=1)
+    network = Net(run_id, a, b)
+    try:
+        yield network
+    finally:
+        for client in network.clients:
+            client.close()
+        for server in network.servers:
+            server.close()
+        a.close()
+        b.close()
+        prefix = memory.PREFIX + memory.run_key(run_id)
+        left = memory.list_segments(prefix)
+        for name in left:
+            memory.unlink_segment(name)
+        assert left == []
+
+
+def random_data(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+# -- the happy paths ----------------------------------------------------------------------
+
+def test_push_makes_a_bitwise_equal_verified_replica(net: Net) -> None:
+    data = random_data((1 << 20) + 123, 1)
+    source = fill(net.a, 0, 7, data)
+    server = net.server()
+    assert net.client(server).push(source) == 7
+    assert net.replicas == [(0, 7)]
+    replica = net.b.find(0, 7)
+    assert replica is not None
+    parsed = memory.parse_slot_name(replica.name)
+    assert parsed is not None and parsed.replica and parsed.prefix == net.b.prefix
+    assert slot_bytes(replica) == data
+    info = memory.describe(replica)
+    assert info.error is None and info.valid_step == 7
+    src_header, dst_header = memory.read_header(source.view), memory.read_header(replica.view)
+    assert src_header is not None and dst_header is not None
+    assert (dst_header.seq, dst_header.rank, dst_header.world_size, dst_header.meta_hash) == (
+        src_header.seq, 0, WORLD, src_header.meta_hash)
+    assert net.rejects == []
+
+
+def test_repeated_pushes_alternate_the_double_buffer(net: Net) -> None:
+    server = net.server()
+    client = net.client(server)
+    names = []
+    for step in (1, 2, 3):
+        assert client.push(fill(net.a, 0, step, random_data(50_000 + step, step))) == step
+        replica = net.b.find(0, step)
+        assert replica is not None
+        names.append(replica.name)
+    assert names[0] != names[1] and names[2] == names[0]
+    assert net.replica_steps() == [2, 3]  # the older committed replica is kept
+    # pushing the step the peer already holds changes nothing
+    newest = net.a.find(0, 3)
+    assert newest is not None and client.push(newest) == 3
+    assert net.replica_steps() == [2, 3]
+    assert net.replicas == [(0, 1), (0, 2), (0, 3)]
+    assert net.rejects == []
+
+
+def test_pull_into_a_fresh_own_slot(net: Net) -> None:
+    data = random_data(300_001, 2)
+    server = net.server()
+    assert net.client(server).push(fill(net.a, 0, 4, data)) == 4
+    c = SlotOwner(run_id=net.run_id, host_id="hc", local_world_size=1)  # a replacement host
+    try:
+        client = net.client(server)
+        asked: list[int] = []
+
+        def target(nbytes: int) -> memory.Segment:
+            asked.append(nbytes)
+            return c.write_target(0, nbytes, replica=False)
+
+        with pytest.raises(ReplicationError, match="not held"):
+            client.pull(0, 5, target)
+        assert asked == []
+        header = client.pull(0, 4, target)  # the same connection goes on after a refusal
+        assert header.step == 4 and header.state is memory.SlotState.COMMITTED
+        assert asked and asked[0] >= memory.HEADER_SIZE + len(data)
+        own = c.find(0, 4)
+        assert own is not None and not memory.parse_slot_name(own.name).replica  # type: ignore[union-attr]
+        assert slot_bytes(own) == data
+        assert c.holdings([0], WORLD) == {0: [4]}
+        # the server also serves its own slots
+        fill(net.b, 1, 9, data[:1000])
+        assert client.pull(1, 9, lambda n: c.write_target(1, n, replica=True)).step == 9
+    finally:
+        c.close()
+    assert net.rejects == []
+
+
+# -- hostile and broken peers -------------------------------------------------------------
+
+def test_wrong_secret_is_rejected_and_commits_nothing(net: Net) -> None:
+    server = net.server()
+    assert net.client(server).push(fill(net.a, 0, 1, random_data(10_000, 3))) == 1
+    intruder = net.client(server, secret=b"not-the-secret-of-this-run")
+    with pytest.raises(ReplicationError, match="authentication"):
+        intruder.push(fill(net.a, 0, 2, random_data(10_000, 4)))
+    net.wait_reject("authentication failed")
+    assert net.replica_steps() == [1] and net.replicas == [(0, 1)]
+
+
+def test_secret_too_short_is_a_config_error(net: Net) -> None:
+    with pytest.raises(ConfigError, match="secret"):
+        Client(("127.0.0.1", 1), secret=b"short", run_id=net.run_id)
+
+
+def test_other_run_is_rejected(net: Net) -> None:
+    server = net.server()
+    stranger = net.client(server, run_id=net.run_id + "-other")
+    with pytest.raises(ReplicationError, match="belongs to run"):  # checked before sending
+        stranger.push(fill(net.a, 0, 1, random_data(1000, 5)))
+    with pytest.raises(ReplicationError, match="closed the connection during authentication"):
+        stranger.pull(0, 1, lambda n: pytest.fail("no data expected"))
+    net.wait_reject("another run")
+    # the run id is also bound into the proofs, not only into the run tag
+    with socket.create_connection(server.address, timeout=5) as sock:
+        nonce = os.urandom(transport.NONCE_SIZE)
+        sock.sendall(HELLO.pack(MAGIC, nonce, transport.run_tag(net.run_id)))
+        server_nonce, _ = transport.parse_welcome(transport._recv_exact(sock, transport.WELCOME.size, 5))
+        sock.sendall(transport._derive(SECRET, transport._CLIENT_PROOF, "another-run", nonce,
+                                       server_nonce))
+        assert sock.recv(1) == b""
+    net.wait_reject("bad client proof")
+    assert net.replica_steps() == [] and net.replicas == []
+
+
+def test_connection_dropped_mid_data_keeps_the_committed_replica(net: Net) -> None:
+    server = net.server()
+    assert net.client(server).push(fill(net.a, 0, 1, random_data(200_000, 6))) == 1
+    before = net.b.find(0, 1)
+    assert before is not None
+    old_bytes = slot_bytes(before)
+    data = random_data(200_000, 7)
+    source = fill(net.a, 0, 2, data)
+    header = memory.read_header(source.view)
+    assert header is not None
+    meta = make_meta(data, 2)
+    channel = net.channel(server)
+    channel.send({"op": "put", **transport._slot_message(header, net.run_id)}, meta)
+    assert transport.parse_reply(channel.recv()[0]) == {"ok": True}
+    channel.sock.sendall(data[:100_000])
+    channel.close()
+    net.wait_reject("truncated data")
+    assert net.replica_steps() == [1]
+    assert net.b.newest_steps(replica=True) == {0: 1}
+    assert slot_bytes(before) == old_bytes and memory.describe(before).valid_step == 1
+    assert net.replicas == [(0, 1)]
+
+
+def test_truncated_frame_is_rejected(net: Net) -> None:
+    server = net.server()
+    channel = net.channel(server)
+    frame = transport.seal_frame(channel._key, TO_SERVER, 0, {"op": "get", "rank": 0, "step": 1})
+    channel.sock.sendall(frame[:len(frame) - 5])
+    channel.sock.shutdown(socket.SHUT_WR)
+    net.wait_reject("truncated frame")
+    channel.close()
+
+
+def test_corrupted_data_in_flight_fails_the_checksum(net: Net,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    server = net.server()
+    client = net.client(server)
+    assert client.push(fill(net.a, 0, 1, random_data(100_000, 8))) == 1
+
+    def corrupting(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
+                   max_rate: float | None = None) -> None:
+        data = bytearray(os.pread(fd, count, offset))
+        data[count // 3] ^= 0x10
+        sock.settimeout(timeout)
+        sock.sendall(data)
+
+    monkeypatch.setattr(transport, "_send_file", corrupting)
+    with pytest.raises(ReplicationError, match="verification failed.*checksum mismatch"):
+        client.push(fill(net.a, 0, 2, random_data(100_000, 9)))
+    net.wait_reject("checksum mismatch")
+    assert net.replica_steps() == [1] and net.replicas == [(0, 1)]
+    monkeypatch.undo()
+    # the client reconnects after the server dropped the connection
+    assert client.push(fill(net.a, 0, 3, random_data(100_000, 10))) == 3
+    assert net.replica_steps() == [1, 3]
+
+
+@pytest.mark.parametrize("when", ["before-hello", "after-welcome", "after-auth"])
+def test_random_bytes_are_rejected(net: Net, when: str) -> None:
+    server = net.server()
+    junk = random_data(4096, 11)
+    if when == "after-auth":
+        channel = net.channel(server)
+        sock = channel.sock
+    else:
+        sock = socket.create_connection(server.address, timeout=5)
+        if when == "after-welcome":
+            sock.sendall(HELLO.pack(MAGIC, os.urandom(32), transport.run_tag(net.run_id)))
+            transport._recv_exact(sock, transport.WELCOME.size, 5)
+    try:
+        sock.sendall(junk)
+    except OSError:
+        pass  # the server may already have hung up
+    assert wait_for(lambda: len(net.rejects) == 1)
+    expected = {"before-hello": "bad magic", "after-welcome": "bad client proof",
+                "after-auth": "oversized frame"}[when]
+    assert expected in net.reasons()
+    sock.close()
+    assert net.replica_steps() == []
+
+
+@pytest.mark.parametrize("lengths", [(MAX_JSON + 1, 0), (10, MAX_META + 1), (2**32 - 1, 2**32 - 1)])
+def test_oversized_lengths_are_rejected(net: Net, lengths: tuple[int, int]) -> None:
+    server = net.server()
+    channel = net.channel(server)
+    channel.sock.sendall(FRAME.pack(*lengths))
+    net.wait_reject("oversized frame")
+    assert channel.sock.recv(1) == b""  # closed without reading what was announced
+    channel.close()
+
+
+def test_forged_and_replayed_frames_are_rejected(net: Net) -> None:
+    server = net.server()
+    channel = net.channel(server)
+    frame = transport.seal_frame(channel._key, TO_SERVER, 0, {"op": "get", "rank": 0, "step": 1})
+    channel.sock.sendall(frame)
+    reply, _ = transport.open_frame(channel._key, TO_CLIENT, 1, transport._recv_exact(
+        channel.sock, FRAME.size + len(json.dumps(
+            {"ok": False, "error": "rank 0 step 1 is not held here"}, separators=(",", ":")))
+        + transport.MAC_SIZE, 5))
+    assert reply["ok"] is False
+    channel.sock.sendall(frame)  # the same frame again: its sequence number is stale
+    net.wait_reject("bad frame MAC")
+    channel.close()
+    forger = net.channel(server)
+    forger.sock.sendall(transport.seal_frame(os.urandom(32), TO_SERVER, 0, {"op": "get"}))
+    assert wait_for(lambda: net.reasons().count("bad frame MAC") == 2)
+    forger.close()
+
+
+def test_invalid_requests_are_refused(net: Net) -> None:
+    server = net.server()
+    data = random_data(1000, 12)
+    meta = make_meta(data, 1)
+    good = {"op": "put", "run_id": net.run_id, "rank": 0, "step": 1, "seq": 1, "world_size": WORLD,
+            "data_len": len(data), "meta_hash": xxhash.xxh3_64_intdigest(meta)}
+    bad: list[dict[str, Any]] = [
+        {**good, "rank": -1}, {**good, "rank": WORLD}, {**good, "step": "1"}, {**good, "seq": True},
+        {**good, "run_id": "other"}, {**good, "meta_hash": 1}, {**good, "data_len": -5},
+        {**good, "op": "delete"}]
+    for n, message in enumerate(bad, 1):
+        channel = net.channel(server)
+        channel.send(message, meta)
+        with pytest.raises(ReplicationError, match="bad request"):
+            transport.parse_reply(channel.recv()[0])
+        assert wait_for(lambda: len(net.rejects) == n)  # noqa: B023
+        channel.close()
+    # a well-formed request too big for this host is refused; the connection stays usable
+    channel = net.channel(server)
+    channel.send({**good, "data_len": 1 << 45}, meta)
+    with pytest.raises(ReplicationError, match="no slot"):
+        transport.parse_reply(channel.recv()[0])
+    channel.send({"op": "get", "rank": 0, "step": 1})
+    with pytest.raises(ReplicationError, match="not held"):
+        transport.parse_reply(channel.recv()[0])
+    channel.close()
+    assert len(net.rejects) == len(bad) and net.replica_steps() == [] and net.replicas == []
+
+
+def test_slot_changing_during_push_is_aborted(net: Net, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = net.server()
+    client = net.client(server)
+    assert client.push(fill(net.a, 0, 1, random_data(100_000, 13))) == 1
+    source = fill(net.a, 0, 2, random_data(100_000, 14))
+    original = transport._send_file
+
+    def racing_writer(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
+                      max_rate: float | None = None) -> None:
+        original(sock, fd, offset, count, timeout, max_rate=max_rate)
+        # a new save lands in the slot while (here: right after) it is being sent
+        memory.set_state(source.view, memory.SlotState.WRITING)
+        source.view[memory.HEADER_SIZE] ^= 0xFF
+        memory.write_commit(source.view, step=3, seq=next(_seq), rank=0, world_size=WORLD,
+                            run_id=net.run_id, data_len=100_000, meta=make_meta(b"", 3))
+
+    monkeypatch.setattr(transport, "_send_file", racing_writer)
+    assert client.push(source) is None
+    assert net.replica_steps() == [1] and net.replicas == [(0, 1)]
+    assert net.rejects == []
+    monkeypatch.undo()
+    memory.set_state(source.view, memory.SlotState.WRITING)  # a save in progress: nothing to send
+    assert client.push(source) is None
+    assert net.replica_steps() == [1]
+
+
+def test_pull_of_a_changing_or_corrupt_slot_commits_nothing(
+        net: Net, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = net.server()
+    assert net.client(server).push(fill(net.a, 0, 1, random_data(100_000, 22))) == 1
+    held = net.b.find(0, 1)
+    assert held is not None
+    c = SlotOwner(run_id=net.run_id, host_id="hc", local_world_size=1)
+    try:
+        client = net.client(server)
+        original = transport._send_file
+
+        def rewritten(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
+                      max_rate: float | None = None) -> None:
+            original(sock, fd, offset, count, timeout, max_rate=max_rate)
+            memory.set_state(held.view, memory.SlotState.WRITING)  # a new push lands there
+            memory.write_commit(held.view, step=1, seq=next(_seq), rank=0, world_size=WORLD,
+                                run_id=net.run_id, data_len=100_000,
+                                meta=make_meta(slot_bytes(held), 1))
+
+        monkeypatch.setattr(transport, "_send_file", rewritten)
+        with pytest.raises(ReplicationError, match="changed while sending"):
+            client.pull(0, 1, lambda n: c.write_target(0, n, replica=False))
+        assert c.holdings([0], WORLD) == {0: []}
+
+        def corrupting(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
+                       max_rate: float | None = None) -> None:
+            data = bytearray(os.pread(fd, count, offset))
+            data[-1] ^= 0x01
+            sock.settimeout(timeout)
+            sock.sendall(data)
+
+        monkeypatch.setattr(transport, "_send_file", corrupting)
+        with pytest.raises(ReplicationError, match="failed verification"):
+            client.pull(0, 1, lambda n: c.write_target(0, n, replica=False))
+        assert c.holdings([0], WORLD) == {0: []}
+        monkeypatch.undo()
+        assert client.pull(0, 1, lambda n: c.write_target(0, n, replica=False)).step == 1
+        assert c.holdings([0], WORLD) == {0: [1]}
+    finally:
+        c.close()
+
+
+def test_port_probe_is_not_reported(net: Net) -> None:
+    server = net.server()
+    socket.create_connection(server.address, timeout=5).close()
+    assert net.client(server).push(fill(net.a, 0, 1, random_data(1000, 23))) == 1
+    time.sleep(0.05)
+    assert net.rejects == []
+
+
+def test_push_respects_max_rate(net: Net) -> None:
+    server = net.server()
+    source = fill(net.a, 0, 1, random_data(400_000, 15))
+    start = time.monotonic()
+    assert net.client(server).push(source, max_rate=2_000_000) == 1
+    assert time.monotonic() - start >= 0.19  # 400 kB at 2 MB/s
+    with pytest.raises(ReplicationError, match="max_rate"):
+        net.client(server).push(source, max_rate=0)
+
+
+def test_stalled_peers_do_not_block_others(net: Net) -> None:
+    server = net.server(timeout=1.5, handshake_timeout=1.5)
+    half_hello = socket.create_connection(server.address, timeout=5)
+    half_hello.sendall(HELLO.pack(MAGIC, os.urandom(32), transport.run_tag(net.run_id))[:10])
+    half_frame = net.channel(server)
+    half_frame.sock.sendall(transport.seal_frame(half_frame._key, TO_SERVER, 0,
+                                                 {"op": "get", "rank": 0, "step": 0})[:12])
+    data = random_data(100_000, 16)
+    source = fill(net.a, 1, 5, data)
+    header = memory.read_header(source.view)
+    assert header is not None
+    half_data = net.channel(server)
+    half_data.send({"op": "put", **transport._slot_message(header, net.run_id)}, make_meta(data, 5))
+    assert transport.parse_reply(half_data.recv()[0]) == {"ok": True}
+    half_data.sock.sendall(data[:1000])
+    # while three peers stall mid-hello, mid-frame and mid-data, another one is served
+    assert net.client(server).push(fill(net.a, 0, 1, random_data(100_000, 17))) == 1
+    assert net.rejects == []
+    # and each stalled connection is dropped after the timeout, not held forever
+    assert wait_for(lambda: len(net.rejects) == 3, timeout=10)
+    assert "timed out" in net.reasons() and "stalled" in net.reasons()
+    assert net.b.holdings(None, WORLD, replica=True) == {0: [1], 1: []}
+    for sock in (half_hello, half_frame.sock, half_data.sock):
+        sock.close()
+
+
+def test_idle_connection_is_reopened(net: Net) -> None:
+    server = net.server(idle_timeout=0.2)
+    client = net.client(server)
+    assert client.push(fill(net.a, 0, 1, random_data(1000, 18))) == 1
+    time.sleep(0.5)  # the server has closed the idle connection
+    assert client.push(fill(net.a, 0, 2, random_data(1000, 19))) == 2
+    assert net.rejects == []
+
+
+def test_close_joins_threads_and_is_idempotent(net: Net) -> None:
+    server = net.server()
+    client = net.client(server)
+    assert client.push(fill(net.a, 0, 1, random_data(1000, 20))) == 1
+    server.close()
+    server.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("gemini-transport")]
+    with pytest.raises(ReplicationError):
+        client.push(fill(net.a, 0, 2, random_data(1000, 21)))
+    client.close()
+    client.close()
+
+
+# -- the parser on bytes, fuzzed ----------------------------------------------------------
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    out = bytearray(data)
+    for _ in range(rng.randint(1, 4)):
+        choice = rng.randrange(6)
+        pos = rng.randrange(len(out) + 1)
+        if choice == 0 and out:
+            out[min(pos, len(out) - 1)] ^= 1 << rng.randrange(8)
+        elif choice == 1:
+            out[pos:pos] = rng.randbytes(rng.randint(1, 8))
+        elif choice == 2:
+            del out[pos:pos + rng.randint(1, 8)]
+        elif choice == 3:
+            out = out[:pos]
+        elif choice == 4 and len(out) >= FRAME.size:
+            out[0:FRAME.size] = FRAME.pack(rng.choice([0, 1, len(out), MAX_JSON, MAX_JSON + 1,
+                                                       2**32 - 1]), rng.randrange(2**32))
+        else:
+            out[pos:pos] = rng.choice([b"{", b"}", b"[", b'"', b"\\u", b"\xff", b"1e999", b"-"])
+    return bytes(out)
+
+
+_VALUES: list[Any] = [None, True, False, 0, -1, 1, 2**63, 2**64, 2**70, -(2**70), 1.5, float("inf"),
+                      "", "x", "put", "get", "end", [], {}, [1], {"a": 1}, "0" * 50]
+
+
+def _parse_everything(message: dict[str, Any], blob: bytes, run_id: str) -> None:
+    for parse in (lambda: transport.parse_request(message, blob, run_id=run_id),
+                  lambda: transport.parse_reply(message),
+                  lambda: transport.parse_slot_reply(message, blob, run_id=run_id, rank=0, step=1),
+                  lambda: transport.parse_trailer(message)):
+        try:
+            parse()
+        except ReplicationError:
+            pass
+
+
+def test_frame_parser_fuzz() -> None:
+    rng = random.Random(20231023)
+    key, run_id = bytes(range(32)), "fuzz-run"
+    meta = make_meta(b"abc", 1)
+    messages: list[tuple[dict[str, Any], bytes]] = [
+        ({"op": "put", "run_id": run_id, "rank": 0, "step": 1, "seq": 3, "world_size": 2,
+          "data_len": 3, "meta_hash": xxhash.xxh3_64_intdigest(meta)}, meta),
+        ({"op": "get", "rank": 1, "step": 2}, b""),
+        ({"op": "end", "stable": True}, b""),
+        ({"ok": True, "run_id": run_id, "rank": 0, "step": 1, "seq": 3, "world_size": 2,
+          "data_len": 3, "meta_hash": xxhash.xxh3_64_intdigest(meta)}, meta),
+        ({"ok": False, "error": "no"}, b""),
+    ]
+    frames = [transport.seal_frame(key, TO_SERVER, 5, m, b) for m, b in messages]
+    for frame, (message, blob) in zip(frames, messages, strict=True):
+        assert transport.open_frame(key, TO_SERVER, 5, frame) == (message, blob)
+        for seq, direction in ((4, TO_SERVER), (6, TO_SERVER), (5, TO_CLIENT)):
+            with pytest.raises(ReplicationError, match="MAC"):
+                transport.open_frame(key, direction, seq, frame)
+    assert isinstance(transport.parse_request(*messages[0], run_id=run_id), PutRequest)
+    assert transport.parse_request(*messages[1], run_id=run_id) == GetRequest(1, 2)
+
+    start = time.monotonic()
+    outcomes = {"rejected": 0, "accepted": 0}
+    for i in range(10_000):
+        if i % 4 == 0:
+            data = rng.randbytes(rng.randrange(0, 300))
+        else:
+            data = _mutate(rng, rng.choice(frames))
+        try:
+            transport.open_frame(key, TO_SERVER, 5, data)
+            outcomes["accepted"] += 1
+            assert data in frames  # only an unmodified frame passes the MAC
+        except ReplicationError:
+            outcomes["rejected"] += 1
+        for parse in (lambda: transport.parse_hello(data[:HELLO.size], run_id=run_id),  # noqa: B023
+                      lambda: transport.parse_welcome(data[:transport.WELCOME.size]),  # noqa: B023
+                      lambda: transport.frame_lengths(data[:FRAME.size])):  # noqa: B023
+            try:
+                parse()
+            except ReplicationError:
+                pass
+    assert outcomes["rejected"] > 9000
+
+    # behind a valid MAC (a peer that knows the secret): mutated JSON text and values
+    for i in range(10_000):
+        message, blob = rng.choice(messages)
+        if i % 2:
+            body = _mutate(rng, json.dumps(message).encode())
+        else:
+            changed = dict(message)
+            for _ in range(rng.randint(1, 3)):
+                changed[rng.choice([*message, "op", "ok", "x"])] = rng.choice(_VALUES)
+            body = json.dumps(changed).encode()
+        if rng.random() < 0.2:
+            blob = _mutate(rng, blob)
+        frame = transport.seal_raw(key, TO_CLIENT, i, body, blob)
+        try:
+            opened, opened_blob = transport.open_frame(key, TO_CLIENT, i, frame)
+        except ReplicationError:
+            continue
+        _parse_everything(opened, opened_blob, run_id)
+    deep = b"[" * 50_000 + b"]" * 50_000
+    with pytest.raises(ReplicationError):
+        transport.decode_json(deep[:MAX_JSON])
+    assert time.monotonic() - start < 10
