@@ -119,14 +119,15 @@ def _tensors(tree: object, path: str = "") -> dict[str, torch.Tensor]:
     return {}
 
 
-def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str) -> list[dict]:
-    """Train on ``nodes`` hosts of 2 workers; once past step 20 kill the hosts in node
-    slots ``victims`` and start one replacement each; return every restore_plan event of
-    the replacements' first round. The output of rank 0 goes to ``tmp/out.pt``."""
+def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
+                     nproc: int = 2) -> list[dict]:
+    """Train on ``nodes`` hosts of ``nproc`` workers; once past step 20 kill the hosts in
+    node slots ``victims`` and start one replacement each; return the restore_plan events
+    that follow the kill. The output of rank 0 goes to ``tmp/out.pt``."""
     hosts: list[Host] = []
     with EtcdServer() as etcd:
         def argv() -> list[str]:
-            return [*GEMINI, "run", "--nnodes", str(nodes), "--nproc-per-node", "2",
+            return [*GEMINI, "run", "--nnodes", str(nodes), "--nproc-per-node", str(nproc),
                     "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
                     "--rdzv-id", "repl", "--rdzv-conf", "last_call_timeout=1",
                     "--store", etcd.url, "--host-ttl", "3", "--max-restarts", "5",
@@ -142,6 +143,7 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str) -> 
                   "step 20", hosts)
             for slot in victims:
                 next(h for h in hosts if h.name == by_slot[slot]).kill()
+            killed = time.time()
             for i, _ in enumerate(victims):
                 hosts.append(Host(tmp, f"new{i}", argv()))
             for host in hosts:
@@ -153,15 +155,34 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str) -> 
             for host in hosts:
                 kill_group(host.proc)
     return [e for e in events(tmp / "runs")
-            if e["event"] == "restore_plan" and str(e["host"]).startswith("new")]
+            if e["event"] == "restore_plan" and float(e["ts"]) > killed]  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("nodes", [3, 4])
 def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int) -> None:
     reference = _reference(tmp_path, 2 * nodes)
     plans = _run_and_replace(tmp_path, nodes, [1])
-    assert plans, "the replacement host never planned a restore"
-    first = plans[0]
-    assert first["step"] is not None and first["step"] >= 15, first
-    assert set(first["sources"].values()) == {"peer"}, first  # type: ignore[union-attr]
+    assert {p["host"] for p in plans} == {"new0"} | {f"h{i}" for i in range(nodes)} - {"h1"}, plans
+    assert len({p["step"] for p in plans}) == 1 and plans[0]["step"] >= 20, plans
+    for plan in plans:  # the replacement pulls from a peer, the survivors use their own memory
+        want = {"peer"} if plan["host"] == "new0" else {"memory"}
+        assert set(plan["sources"].values()) == want, plan  # type: ignore[union-attr]
+    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def test_lost_group_resumes_from_the_persistent_tier(tmp_path: Path) -> None:
+    """Four hosts, two placement groups {0, 1} and {2, 3}: losing both hosts of the first
+    group loses every in-memory copy of their ranks, so all ranks restore the newest
+    step complete in the persistent tier."""
+    reference = _reference(tmp_path, 4)
+    persist = tmp_path / "persist"
+    plans = _run_and_replace(tmp_path, 4, [0, 1], "--persist-dir", str(persist),
+                             "--persist-every", "5", nproc=1)
+    assert len(plans) == 4 and len({p["step"] for p in plans}) == 1, plans
+    step = plans[0]["step"]
+    assert step is not None and step >= 15 and step % 5 == 0, plans
+    for plan in plans:  # survivors may still hold that step in their own memory
+        want = {"persist"} if str(plan["host"]).startswith("new") else {"persist", "memory"}
+        assert set(plan["sources"].values()) <= want, plan  # type: ignore[union-attr]
+    assert {p["host"] for p in plans if "persist" in p["sources"].values()} >= {"new0", "new1"}
     _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
