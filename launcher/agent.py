@@ -441,6 +441,10 @@ def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, eve
         )
 
         bind = config.replication_bind
+        if not config.secret_file and not config.store.startswith("etcd://"):
+            logger.warning("replication between hosts needs one secret for the whole run: "
+                           "unless every host opens this same embedded store file, pass "
+                           "--secret-file (the same file on every host) or an etcd --store")
         replication = ReplicationService(
             owner, events, run_id=launch_config.run_id, replicas=config.replicas,
             secret=load_secret(config.secret_file, store, launch_config.run_id), bind=bind,

@@ -163,7 +163,7 @@ def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int) -> None:
     reference = _reference(tmp_path, 2 * nodes)
     plans = _run_and_replace(tmp_path, nodes, [1])
     assert {p["host"] for p in plans} == {"new0"} | {f"h{i}" for i in range(nodes)} - {"h1"}, plans
-    assert len({p["step"] for p in plans}) == 1 and plans[0]["step"] >= 20, plans
+    assert len({p["step"] for p in plans}) == 1 and plans[0]["step"] >= 15, plans
     for plan in plans:  # the replacement pulls from a peer, the survivors use their own memory
         want = {"peer"} if plan["host"] == "new0" else {"memory"}
         assert set(plan["sources"].values()) == want, plan  # type: ignore[union-attr]

@@ -4,9 +4,9 @@ Every supervisor runs a transport :class:`~launcher.replication.transport.Server
 keeps the replicas peers push into this host's replica slots and answers pulls. A sender
 thread watches this host's own slots and pushes each rank's newest committed step to the
 nodes that :mod:`~launcher.replication.placement` names as its holders, straight from
-shared memory. Which steps are replicated is the same on every host (every
-``replicate_every``-th step, the newest first), so the replicas of all ranks tend to hold
-the same steps and a lost host's ranks can resume at a step the survivors also hold.
+shared memory. A push that is still on the wire when the worker commits the next step
+finishes (unless the worker starts rewriting its slot: then it is dropped), and the next
+push takes the newest step: replication coalesces instead of queueing.
 
 Pacing (the paper's traffic interleaving, adapted): instead of sending each snapshot in
 one burst that competes with the training step for CPU and memory bandwidth, the sender
@@ -74,14 +74,12 @@ class ReplicationService:
     """Owns the transport server and the sender thread of one supervisor."""
 
     def __init__(self, owner: SlotOwner, events: EventLog, *, run_id: str, replicas: int,
-                 secret: bytes, bind: tuple[str, int], advertise: str, pace: bool = True,
-                 replicate_every: int = 1) -> None:
+                 secret: bytes, bind: tuple[str, int], advertise: str, pace: bool = True) -> None:
         self.owner = owner
         self.events = events
         self.run_id = run_id
         self.replicas = replicas
         self.pace = pace
-        self.replicate_every = replicate_every
         self._secret = secret
         self.server = transport.Server(owner, secret=secret, run_id=run_id, host=bind[0],
                                        port=bind[1], on_reject=self._on_reject)
@@ -167,7 +165,7 @@ class ReplicationService:
 
     def _due(self, rank: int, segments: list[memory.Segment]
              ) -> tuple[memory.Segment, memory.SlotHeader] | None:
-        """The newest committed slot of ``rank`` whose step is on the replication schedule."""
+        """The newest committed slot of ``rank``."""
         best: tuple[memory.Segment, memory.SlotHeader] | None = None
         newest = -1
         for segment in segments:
@@ -175,9 +173,7 @@ class ReplicationService:
             if header is None or header.state is not memory.SlotState.COMMITTED:
                 continue
             newest = max(newest, header.step)
-            if header.step % self.replicate_every == 0 and (
-                best is None or (header.step, header.seq) > (best[1].step, best[1].seq)
-            ):
+            if best is None or (header.step, header.seq) > (best[1].step, best[1].seq):
                 best = (segment, header)
         self._observe(rank, newest)
         return best

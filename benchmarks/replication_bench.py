@@ -1,0 +1,241 @@
+"""Cross-host replication, in one run: throughput, training slowdown, host-loss recovery.
+
+Several `gemini run` supervisors on this machine stand in for hosts (one worker each,
+gloo over loopback). Printed, side by side with their baselines:
+
+1. replication throughput vs raw loopback TCP (``transport_bench``; target >= 0.7x);
+2. the training-step slowdown while every step is replicated to the peer, with and
+   without pacing, against the same job with replication off (``--replicas 1``);
+   target <= 5% with pacing;
+3. the time from killing a whole host (supervisor and worker) to the first completed
+   step after restore, split into detection (the survivor's worker fails), rendezvous
+   (the replacement host joins; torch's dynamic rendezvous drops the dead host after
+   its keep-alive expires), transfer (the replacement pulls its shard) and load + first
+   step; next to the same recovery from the persistent tier on local disk
+   (``--replicas 1 --persist-dir``, persisted every step).
+
+    python benchmarks/replication_bench.py --repeat 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from common import machine, table  # noqa: E402
+from transport_bench import bench_size, parse_size  # noqa: E402
+
+EXAMPLE = str(HERE.parent / "examples" / "train_gpt.py")
+MODEL = ["--n-embd", "384", "--n-layer", "4", "--n-head", "6", "--batch-size", "4"]
+GEMINI = [sys.executable, "-m", "gemini_cli", "run"]
+
+
+class Host:
+    """One `gemini run` whose output lines are time-stamped as they arrive."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=env, start_new_session=True)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line.rstrip()))
+
+    def first(self, pattern: str, after: float = 0.0) -> float | None:
+        return next((t for t, line in list(self.lines) if t > after and re.search(pattern, line)),
+                    None)
+
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def kill(self) -> None:
+        """The whole host: the supervisor and its workers (in sessions of their own)."""
+        try:
+            tree = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        for proc in [psutil.Process(self.proc.pid), *tree]:
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait()
+
+    def wait(self, timeout: float) -> None:
+        self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=5)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"host failed ({self.proc.returncode}):\n{self.output()[-3000:]}")
+
+
+def _events(run_root: Path) -> list[dict[str, object]]:
+    found = []
+    for path in run_root.glob("*/events.jsonl"):
+        found += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(found, key=lambda e: float(e["ts"]))  # type: ignore[arg-type]
+
+
+# -- 2. training slowdown -------------------------------------------------------------------
+
+def step_ms(mode: list[str], steps: int) -> float:
+    """Median step time of rank 0 with two one-worker hosts on a c10d rendezvous."""
+    with tempfile.TemporaryDirectory() as tmp:
+        port = _free_port()
+        env = dict(os.environ, GEMINI_RUN_ROOT=f"{tmp}/runs", PYTHONWARNINGS="ignore")
+        hosts = []
+        for i in range(2):
+            argv = [*GEMINI, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "slowdown",
+                    "--replication-addr", "127.0.0.1", "--no-standby", *mode,
+                    EXAMPLE, "--steps", str(steps), *MODEL]
+            hosts.append(Host(argv, dict(env, GEMINI_HOST_ID=f"h{i}",
+                                         GEMINI_SHM_DIR=_shm_dir(tmp, i))))
+        for host in hosts:
+            host.wait(timeout=900)
+        text = "\n".join(h.output() for h in hosts)
+        match = re.search(r"median_step_ms=([\d.]+)", text)
+        if not match:
+            raise RuntimeError(text[-3000:])
+        return float(match.group(1))
+
+
+def _shm_dir(tmp: str, i: int) -> str:
+    path = Path(tmp) / f"shm{i}"
+    path.mkdir(exist_ok=True)
+    return str(path)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# -- 3. host-loss recovery ------------------------------------------------------------------
+
+def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str) -> dict[str, float]:
+    """Kill the host in node slot 1 after step 10, start a replacement at once, and time
+    the phases until rank 0 completes its first step after the restore."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_root = Path(tmp) / "runs"
+        env = dict(os.environ, GEMINI_RUN_ROOT=str(run_root), PYTHONWARNINGS="ignore")
+        run_id = f"loss-{os.getpid()}-{time.monotonic_ns()}"
+
+        def host(name: str, i: int) -> Host:
+            argv = [*GEMINI, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
+                    "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id,
+                    "--rdzv-conf", "last_call_timeout=1", "--store", etcd_url,
+                    "--max-restarts", "3", "--replication-addr", "127.0.0.1", "--no-standby",
+                    *[m.replace("{tmp}", tmp) for m in mode], EXAMPLE, "--steps", "40",
+                    "--sleep", "0.05", *MODEL]
+            return Host(argv, dict(env, GEMINI_HOST_ID=name, GEMINI_SHM_DIR=_shm_dir(tmp, i)))
+
+        hosts = {"h0": host("h0", 0), "h1": host("h1", 1)}
+        deadline = time.monotonic() + 300
+        slots: dict[int, str] = {}
+        while len(slots) < 2 or not any(h.first(r"^step 1\d ") for h in hosts.values()):
+            if time.monotonic() > deadline:
+                raise RuntimeError("no progress:\n" + "\n".join(h.output()[-2000:] for h in hosts.values()))
+            slots = {int(e["group_rank"]): str(e["host"]) for e in _events(run_root)  # type: ignore[call-overload]
+                     if e["event"] == "rendezvous"}
+            time.sleep(0.1)
+        survivor, victim = hosts[slots[0]], hosts[slots[1]]
+        killed = time.time()
+        victim.kill()
+        replacement = host("new", 2)
+        survivor.wait(timeout=600)
+        replacement.wait(timeout=60)
+        resumed = survivor.first(r"^resumed at step", after=killed) or killed
+        first_step = survivor.first(r"^step \d+ ", after=resumed)
+        events = _events(run_root)
+        failed = next(float(e["ts"]) for e in events  # type: ignore[arg-type]
+                      if e["event"] == "worker_exit" and e["host"] == slots[0] and float(e["ts"]) > killed)  # type: ignore[arg-type]
+        plan = next(e for e in events if e["event"] == "restore_plan" and e["host"] == "new")
+        transfer = float(plan["transfer_seconds"])  # type: ignore[arg-type]
+        planned = float(plan["ts"])  # type: ignore[arg-type]
+        if first_step is None:
+            raise RuntimeError(survivor.output()[-3000:])
+        want = "persist" if "--persist-dir" in mode else "peer"
+        if set(plan["sources"].values()) != {want}:  # type: ignore[union-attr]
+            raise RuntimeError(f"expected a restore from {want}: {plan}")
+        return {"detection": failed - killed, "rendezvous": planned - transfer - failed,
+                "transfer": transfer, "load + first step": first_step - planned,
+                "total": first_step - killed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="256M,1G", help="slot sizes for the throughput table")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40, help="steps per slowdown run")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: 1,2,3")
+    args = parser.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    out: list[str] = [f"machine: {machine()}", f"medians of {args.repeat} runs", ""]
+
+    if "1" not in skip:
+        rows = [bench_size(parse_size(text), args.repeat) for text in args.sizes.split(",")]
+        out += ["1. replication throughput (receiver in another process, loopback TCP)", "",
+                table(["slot", "raw TCP", "push (+ verify + commit)", "xxh3, one core",
+                       "push / raw"], rows), ""]
+        print("measured throughput", file=sys.stderr, flush=True)
+
+    if "2" not in skip:
+        modes = {"replication off (--replicas 1)": ["--replicas", "1"],
+                 "every step, no pacing": ["--replicas", "2", "--no-pace"],
+                 "every step, paced": ["--replicas", "2", "--pace"]}
+        times: dict[str, list[float]] = {name: [] for name in modes}
+        for _ in range(args.repeat):
+            for name, mode in modes.items():  # interleaved, so drift hits every mode alike
+                times[name].append(step_ms(mode, args.steps))
+        base = statistics.median(times["replication off (--replicas 1)"])
+        rows = [[name, f"{statistics.median(t):.1f} ms", f"{100 * (statistics.median(t) / base - 1):+.1f}%"]
+                for name, t in times.items()]
+        out += [f"2. training step while replicating every step (example GPT, {' '.join(MODEL)}; "
+                "2 hosts x 1 worker)", "", table(["replication", "median step", "vs off"], rows), ""]
+        print("measured slowdown", file=sys.stderr, flush=True)
+
+    if "3" not in skip:
+        from etcd_server import EtcdServer
+
+        modes = {"peer memory (--replicas 2)": ["--replicas", "2"],
+                 "persistent tier, local disk": ["--replicas", "1", "--persist-dir", "{tmp}/persist",
+                                                 "--persist-every", "1"]}
+        phases = ("detection", "rendezvous", "transfer", "load + first step", "total")
+        rows = []
+        with EtcdServer() as etcd:
+            results = {name: [host_loss(mode, etcd.endpoint, etcd.url) for _ in range(args.repeat)]
+                       for name, mode in modes.items()}
+        ours = statistics.median(r["total"] for r in results["peer memory (--replicas 2)"])
+        for name, runs in results.items():
+            medians = {k: statistics.median(r[k] for r in runs) for k in phases}
+            rows.append([name, *(f"{medians[k]:.2f} s" for k in phases), f"{medians['total'] / ours:.2f}x"])
+        out += ["3. host kill -> first completed step after restore (2 hosts x 1 worker, etcd-v3 "
+                "rendezvous, replacement started at the kill)", "",
+                table(["restore from", *phases, "vs peer"], rows), ""]
+    print("\n".join(out))
+
+
+if __name__ == "__main__":
+    main()
