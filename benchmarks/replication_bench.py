@@ -6,7 +6,8 @@ gloo over loopback). Printed, side by side with their baselines:
 1. replication throughput vs raw loopback TCP (``transport_bench``; target >= 0.7x);
 2. the training-step slowdown while every step is replicated to the peer, with and
    without pacing, against the same job with replication off (``--replicas 1``);
-   target <= 5% with pacing;
+   target <= 5% with pacing; and with the persistent tier written every step instead
+   (to this machine's disk), to show that the persistent writer does not stall training;
 3. the time from killing a whole host (supervisor and worker) to the first completed
    step after restore, split into detection (the survivor's worker fails), rendezvous
    (the replacement host joins; torch's dynamic rendezvous drops the dead host after
@@ -98,17 +99,17 @@ def _events(run_root: Path) -> list[dict[str, object]]:
 
 def step_ms(mode: list[str], steps: int) -> float:
     """Median step time of rank 0 with two one-worker hosts on a c10d rendezvous."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _shm() as shm:
         port = _free_port()
         env = dict(os.environ, GEMINI_RUN_ROOT=f"{tmp}/runs", PYTHONWARNINGS="ignore")
         hosts = []
         for i in range(2):
             argv = [*GEMINI, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "slowdown",
-                    "--replication-addr", "127.0.0.1", "--no-standby", *mode,
-                    EXAMPLE, "--steps", str(steps), *MODEL]
+                    "--replication-addr", "127.0.0.1", "--no-standby",
+                    *[m.replace("{tmp}", tmp) for m in mode], EXAMPLE, "--steps", str(steps), *MODEL]
             hosts.append(Host(argv, dict(env, GEMINI_HOST_ID=f"h{i}",
-                                         GEMINI_SHM_DIR=_shm_dir(tmp, i))))
+                                         GEMINI_SHM_DIR=_shm_dir(shm, i))))
         for host in hosts:
             host.wait(timeout=900)
         text = "\n".join(h.output() for h in hosts)
@@ -118,8 +119,13 @@ def step_ms(mode: list[str], steps: int) -> float:
         return float(match.group(1))
 
 
-def _shm_dir(tmp: str, i: int) -> str:
-    path = Path(tmp) / f"shm{i}"
+def _shm() -> tempfile.TemporaryDirectory[str]:
+    """Where the simulated hosts keep their slots: tmpfs, like /dev/shm itself."""
+    return tempfile.TemporaryDirectory(dir="/dev/shm", prefix="bench-")
+
+
+def _shm_dir(root: str, i: int) -> str:
+    path = Path(root) / f"host{i}"
     path.mkdir(exist_ok=True)
     return str(path)
 
@@ -137,7 +143,7 @@ def _free_port() -> int:
 def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str) -> dict[str, float]:
     """Kill the host in node slot 1 after step 10, start a replacement at once, and time
     the phases until rank 0 completes its first step after the restore."""
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _shm() as shm:
         run_root = Path(tmp) / "runs"
         env = dict(os.environ, GEMINI_RUN_ROOT=str(run_root), PYTHONWARNINGS="ignore")
         run_id = f"loss-{os.getpid()}-{time.monotonic_ns()}"
@@ -146,10 +152,10 @@ def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str) -> dict[str, f
             argv = [*GEMINI, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
                     "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id,
                     "--rdzv-conf", "last_call_timeout=1", "--store", etcd_url,
-                    "--max-restarts", "3", "--replication-addr", "127.0.0.1", "--no-standby",
+                    "--max-restarts", "3", "--replication-addr", "127.0.0.1",
                     *[m.replace("{tmp}", tmp) for m in mode], EXAMPLE, "--steps", "40",
                     "--sleep", "0.05", *MODEL]
-            return Host(argv, dict(env, GEMINI_HOST_ID=name, GEMINI_SHM_DIR=_shm_dir(tmp, i)))
+            return Host(argv, dict(env, GEMINI_HOST_ID=name, GEMINI_SHM_DIR=_shm_dir(shm, i)))
 
         hosts = {"h0": host("h0", 0), "h1": host("h1", 1)}
         deadline = time.monotonic() + 300
@@ -178,7 +184,8 @@ def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str) -> dict[str, f
             raise RuntimeError(survivor.output()[-3000:])
         want = "persist" if "--persist-dir" in mode else "peer"
         if set(plan["sources"].values()) != {want}:  # type: ignore[union-attr]
-            raise RuntimeError(f"expected a restore from {want}: {plan}")
+            plans = [e for e in events if e["event"] in ("restore_plan", "replication_failed")]
+            raise RuntimeError(f"expected a restore from {want}: {plans}\n{survivor.output()[-3000:]}")
         return {"detection": failed - killed, "rendezvous": planned - transfer - failed,
                 "transfer": transfer, "load + first step": first_step - planned,
                 "total": first_step - killed}
@@ -194,17 +201,23 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     out: list[str] = [f"machine: {machine()}", f"medians of {args.repeat} runs", ""]
 
+    def flush() -> None:
+        print("\n".join(out), flush=True)
+        out.clear()
+
     if "1" not in skip:
         rows = [bench_size(parse_size(text), args.repeat) for text in args.sizes.split(",")]
         out += ["1. replication throughput (receiver in another process, loopback TCP)", "",
                 table(["slot", "raw TCP", "push (+ verify + commit)", "xxh3, one core",
                        "push / raw"], rows), ""]
-        print("measured throughput", file=sys.stderr, flush=True)
+        flush()
 
     if "2" not in skip:
         modes = {"replication off (--replicas 1)": ["--replicas", "1"],
                  "every step, no pacing": ["--replicas", "2", "--no-pace"],
-                 "every step, paced": ["--replicas", "2", "--pace"]}
+                 "every step, paced": ["--replicas", "2", "--pace"],
+                 "off, persisted every step instead": ["--replicas", "1", "--persist-dir",
+                                                       "{tmp}/persist", "--persist-every", "1"]}
         times: dict[str, list[float]] = {name: [] for name in modes}
         for _ in range(args.repeat):
             for name, mode in modes.items():  # interleaved, so drift hits every mode alike
@@ -214,7 +227,7 @@ def main() -> None:
                 for name, t in times.items()]
         out += [f"2. training step while replicating every step (example GPT, {' '.join(MODEL)}; "
                 "2 hosts x 1 worker)", "", table(["replication", "median step", "vs off"], rows), ""]
-        print("measured slowdown", file=sys.stderr, flush=True)
+        flush()
 
     if "3" not in skip:
         from etcd_server import EtcdServer
@@ -234,7 +247,7 @@ def main() -> None:
         out += ["3. host kill -> first completed step after restore (2 hosts x 1 worker, etcd-v3 "
                 "rendezvous, replacement started at the kill)", "",
                 table(["restore from", *phases, "vs peer"], rows), ""]
-    print("\n".join(out))
+    flush()
 
 
 if __name__ == "__main__":

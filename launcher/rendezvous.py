@@ -129,10 +129,18 @@ class TorchStore(_TorchStoreBase):
             raise RuntimeError(str(exc)) from exc
 
 
+#: torch's default drops a dead host from the rendezvous after 3 missed keep-alives 5 s
+#: apart; a lost host then holds up every survivor for up to 15 s. etcd handles one
+#: keep-alive per host and second easily.
+KEEP_ALIVE = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+
+
 def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's dynamic rendezvous with its state and store in etcd v3 at ``params.endpoint``."""
     if not params.endpoint:
         raise ValueError("--rdzv-backend etcd-v3 needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]")
+    for key, value in KEEP_ALIVE.items():  # --rdzv-conf overrides these
+        params.config.setdefault(key, value)
     store = open_store(f"etcd://{params.endpoint}")
     backend = StoreRendezvousBackend(store, params.run_id)
     torch_store = TorchStore(store, f"gemini/rdzv/{params.run_id}/kv/")

@@ -8,16 +8,19 @@ shared memory. A push that is still on the wire when the worker commits the next
 finishes (unless the worker starts rewriting its slot: then it is dropped), and the next
 push takes the newest step: replication coalesces instead of queueing.
 
-Pacing (the paper's traffic interleaving, adapted): instead of sending each snapshot in
-one burst that competes with the training step for CPU and memory bandwidth, the sender
-spreads it over most of an iteration, at ``bytes / (0.8 * iteration time)``, from a
-lower-priority thread. The iteration time is measured from the commits themselves.
+Pacing (the paper's traffic interleaving, adapted): the paper fits checkpoint traffic
+into the gaps of training's own network traffic. Here the contended resources are the
+CPU and memory bandwidth that the copies, the kernel's TCP work and the checksums take,
+so with pacing the sender spreads each snapshot over most of an iteration, at
+``bytes / (0.8 * iteration time)`` (measured from the commits themselves), and both the
+sending and the receiving threads run at the lowest CPU priority (nice 19): they use
+what training leaves, and replication falls behind (coalescing to the newest step)
+rather than slowing training down.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -34,7 +37,7 @@ from launcher.store import Store
 
 logger = logging.getLogger(__name__)
 
-SENDER_NICE = 5  # the sender yields to training threads when the CPU is contended
+PACED_NICE = 19  # with pacing, replication threads take only CPU time training leaves
 PACE_SHARE = 0.8  # fraction of an iteration over which one snapshot is spread
 MIN_RATE = 64 << 20  # bytes/s: pacing never drops below this
 POLL = 0.002  # seconds between two looks at the slot headers when idle
@@ -82,7 +85,8 @@ class ReplicationService:
         self.pace = pace
         self._secret = secret
         self.server = transport.Server(owner, secret=secret, run_id=run_id, host=bind[0],
-                                       port=bind[1], on_reject=self._on_reject)
+                                       port=bind[1], on_reject=self._on_reject,
+                                       nice=PACED_NICE if pace else 0)
         self.address: tuple[str, int] = (advertise, self.server.address[1])
         self._lock = threading.Lock()
         self._holders: list[tuple[str, int]] = []
@@ -130,10 +134,7 @@ class ReplicationService:
 
     # -- the sender ---------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SENDER_NICE)
-        except OSError:
-            pass
+        transport.lower_priority(PACED_NICE if self.pace else 0)
         while not self._stop.is_set():
             if not self._running.wait(0.1):
                 continue

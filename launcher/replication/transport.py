@@ -556,6 +556,16 @@ def _slot_message(header: memory.SlotHeader, run_id: str) -> dict[str, Any]:
             "meta_hash": header.meta_hash}
 
 
+def lower_priority(nice: int) -> None:
+    """Give the calling thread (not its process) the niceness ``nice``, best-effort: under
+    CPU contention the training threads then go first."""
+    if nice > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except (OSError, AttributeError):
+            pass
+
+
 # -- server ---------------------------------------------------------------------------
 
 class Server:
@@ -571,10 +581,11 @@ class Server:
                  on_reject: Callable[[str, str], None] | None = None,
                  on_replica: Callable[[int, int], None] | None = None,
                  timeout: float = 30.0, handshake_timeout: float = 10.0,
-                 idle_timeout: float = 600.0, max_connections: int = 64) -> None:
+                 idle_timeout: float = 600.0, max_connections: int = 64, nice: int = 0) -> None:
         """Listen on ``host:port`` (0: any free port, see :attr:`address`). ``timeout``
         bounds every wait once a frame or the data has started, ``handshake_timeout`` the
-        whole handshake, ``idle_timeout`` the wait for a client's next request."""
+        whole handshake, ``idle_timeout`` the wait for a client's next request; connection
+        threads run at niceness ``nice`` (see :func:`lower_priority`)."""
         _check_secret(secret)
         self.slots = slots
         self.run_id = run_id
@@ -582,6 +593,7 @@ class Server:
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
+        self.nice = nice
         self._secret = secret
         self._on_reject = on_reject
         self._on_replica = on_replica
@@ -654,6 +666,7 @@ class Server:
                 logger.exception("transport: on_reject callback failed")
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
+        lower_priority(self.nice)
         try:
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
