@@ -216,6 +216,7 @@ def main() -> None:
         modes = {"replication off (--replicas 1)": ["--replicas", "1"],
                  "every step, no pacing": ["--replicas", "2", "--no-pace"],
                  "every step, paced": ["--replicas", "2", "--pace"],
+                 "every 4th step, paced": ["--replicas", "2", "--pace", "--replicate-every", "4"],
                  "off, persisted every step instead": ["--replicas", "1", "--persist-dir",
                                                        "{tmp}/persist", "--persist-every", "1"]}
         times: dict[str, list[float]] = {name: [] for name in modes}

@@ -76,6 +76,8 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "HOST[:PORT] the replication transport listens on.  [default: all interfaces, any port]"),
     (("--secret-file", "--secret_file"), "secret_file",
      "File with the run's replication secret.  [default: random, shared via the store]"),
+    (("--replicate-every", "--replicate_every"), "replicate_every",
+     "Replicate every N-th step (the same steps on every host).  [default: 1]"),
     (("--pace/--no-pace",), "pace",
      "Spread replication traffic over each iteration instead of bursts.  [default: pace]"),
     (("--persist-dir", "--persist_dir"), "persist_dir",

@@ -448,7 +448,8 @@ def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, eve
         replication = ReplicationService(
             owner, events, run_id=launch_config.run_id, replicas=config.replicas,
             secret=load_secret(config.secret_file, store, launch_config.run_id), bind=bind,
-            advertise=advertised_host(bind[0], launch_config.local_addr), pace=config.pace)
+            advertise=advertised_host(bind[0], launch_config.local_addr), pace=config.pace,
+            every=config.replicate_every)
     if config.persist_dir:
         from launcher.persist import PersistWriter
 

@@ -123,6 +123,9 @@ class RunConfig:
     secret_file: str = dataclasses.field(default="", metadata={"gemini": True})
     """File holding the run's replication secret (default: one generated at random and
     shared through the coordination store)."""
+    replicate_every: int = dataclasses.field(default=1, metadata={"gemini": True})
+    """Replicate the steps that are multiples of N (the same steps on every host): less
+    traffic, at the cost of up to N steps of work when a whole host is lost."""
     pace: bool = dataclasses.field(default=True, metadata={"gemini": True})
     """Spread replication traffic over each iteration instead of sending in bursts."""
     persist_dir: str = dataclasses.field(default="", metadata={"gemini": True})
@@ -151,6 +154,7 @@ class RunConfig:
         for name, ok, rule in (
             ("host_ttl", self.host_ttl >= 1, ">= 1 second"),
             ("replicas", self.replicas >= 1, ">= 1"),
+            ("replicate_every", self.replicate_every >= 1, ">= 1"),
             ("persist_keep", self.persist_keep >= 1, ">= 1"),
             ("node_rank", self.node_rank >= 0, ">= 0"),
             ("max_restarts", self.max_restarts >= 0, ">= 0"),

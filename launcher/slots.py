@@ -399,6 +399,7 @@ class MemoryService:
             self.persist.rewind(restore)  # later files belong to the abandoned attempt
         os.environ[ENV_RESTORE_STEP] = str(restore)
         self.events.write("restore_plan", step=plan.step, local=report["local"],
+                          replicas=report["replicas"], persist=report["persist"],
                           sources={str(rank): used[rank] for rank in sorted(used)},
                           scan_seconds=round(scanned - started, 4),
                           transfer_seconds=round(time.monotonic() - scanned, 4))

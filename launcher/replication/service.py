@@ -4,7 +4,9 @@ Every supervisor runs a transport :class:`~launcher.replication.transport.Server
 keeps the replicas peers push into this host's replica slots and answers pulls. A sender
 thread watches this host's own slots and pushes each rank's newest committed step to the
 nodes that :mod:`~launcher.replication.placement` names as its holders, straight from
-shared memory. A push that is still on the wire when the worker commits the next step
+shared memory, or with ``--replicate-every N`` the newest step that is a multiple of N
+(the same steps on every host, so that after a host loss the replicas of all ranks hold
+a common step). A push that is still on the wire when the worker commits the next step
 finishes (unless the worker starts rewriting its slot: then it is dropped), and the next
 push takes the newest step: replication coalesces instead of queueing.
 
@@ -13,9 +15,9 @@ into the gaps of training's own network traffic. Here the contended resources ar
 CPU and memory bandwidth that the copies, the kernel's TCP work and the checksums take,
 so with pacing the sender spreads each snapshot over most of an iteration, at
 ``bytes / (0.8 * iteration time)`` (measured from the commits themselves), and both the
-sending and the receiving threads run at the lowest CPU priority (nice 19): they use
-what training leaves, and replication falls behind (coalescing to the newest step)
-rather than slowing training down.
+sending and the receiving threads run at a low CPU priority (nice 10: a tenth of a
+training thread's share under contention; nice 19 starved them on a busy host), so
+replication falls behind (coalescing to the newest step) before it slows training down.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from launcher.store import Store
 
 logger = logging.getLogger(__name__)
 
-PACED_NICE = 19  # with pacing, replication threads take only CPU time training leaves
+PACED_NICE = 10  # with pacing, training threads get ~10x the CPU share of replication's
 PACE_SHARE = 0.8  # fraction of an iteration over which one snapshot is spread
 MIN_RATE = 64 << 20  # bytes/s: pacing never drops below this
 POLL = 0.002  # seconds between two looks at the slot headers when idle
@@ -77,12 +79,14 @@ class ReplicationService:
     """Owns the transport server and the sender thread of one supervisor."""
 
     def __init__(self, owner: SlotOwner, events: EventLog, *, run_id: str, replicas: int,
-                 secret: bytes, bind: tuple[str, int], advertise: str, pace: bool = True) -> None:
+                 secret: bytes, bind: tuple[str, int], advertise: str, pace: bool = True,
+                 every: int = 1) -> None:
         self.owner = owner
         self.events = events
         self.run_id = run_id
         self.replicas = replicas
         self.pace = pace
+        self.every = every
         self._secret = secret
         self.server = transport.Server(owner, secret=secret, run_id=run_id, host=bind[0],
                                        port=bind[1], on_reject=self._on_reject,
@@ -166,7 +170,8 @@ class ReplicationService:
 
     def _due(self, rank: int, segments: list[memory.Segment]
              ) -> tuple[memory.Segment, memory.SlotHeader] | None:
-        """The newest committed slot of ``rank``."""
+        """The newest committed slot of ``rank`` whose step is on the schedule (a multiple
+        of :attr:`every`, so that every host replicates the same steps)."""
         best: tuple[memory.Segment, memory.SlotHeader] | None = None
         newest = -1
         for segment in segments:
@@ -174,7 +179,9 @@ class ReplicationService:
             if header is None or header.state is not memory.SlotState.COMMITTED:
                 continue
             newest = max(newest, header.step)
-            if best is None or (header.step, header.seq) > (best[1].step, best[1].seq):
+            if header.step % self.every == 0 and (
+                best is None or (header.step, header.seq) > (best[1].step, best[1].seq)
+            ):
                 best = (segment, header)
         self._observe(rank, newest)
         return best
