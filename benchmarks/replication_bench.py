@@ -13,7 +13,11 @@ gloo over loopback). Printed, side by side with their baselines:
    (the replacement host joins; torch's dynamic rendezvous drops the dead host after
    its keep-alive expires), transfer (the replacement pulls its shard) and load + first
    step; next to the same recovery from the persistent tier on local disk
-   (``--replicas 1 --persist-dir``, persisted every step).
+   (``--replicas 1 --persist-dir``, persisted every step). Each step here sleeps 0.2 s,
+   standing in for GPU compute that leaves the host's CPU free for replication: on
+   these two CPU-bound cores, paced replication of this state lags several steps behind
+   (part 2), and a lost host can then only resume from a step the survivors no longer
+   hold (see the README's limits).
 
     python benchmarks/replication_bench.py --repeat 3
 """
@@ -44,6 +48,7 @@ from transport_bench import bench_size, parse_size  # noqa: E402
 EXAMPLE = str(HERE.parent / "examples" / "train_gpt.py")
 MODEL = ["--n-embd", "384", "--n-layer", "4", "--n-head", "6", "--batch-size", "4"]
 GEMINI = [sys.executable, "-m", "gemini_cli", "run"]
+IDLE = 0.2  # seconds each host-loss step sleeps: GPU time, during which the CPU is free
 
 
 class Host:
@@ -154,7 +159,7 @@ def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str) -> dict[str, f
                     "--rdzv-conf", "last_call_timeout=1", "--store", etcd_url,
                     "--max-restarts", "3", "--replication-addr", "127.0.0.1",
                     *[m.replace("{tmp}", tmp) for m in mode], EXAMPLE, "--steps", "40",
-                    "--sleep", "0.05", *MODEL]
+                    "--sleep", str(IDLE), *MODEL]
             return Host(argv, dict(env, GEMINI_HOST_ID=name, GEMINI_SHM_DIR=_shm_dir(shm, i)))
 
         hosts = {"h0": host("h0", 0), "h1": host("h1", 1)}
@@ -246,7 +251,7 @@ def main() -> None:
             medians = {k: statistics.median(r[k] for r in runs) for k in phases}
             rows.append([name, *(f"{medians[k]:.2f} s" for k in phases), f"{medians['total'] / ours:.2f}x"])
         out += ["3. host kill -> first completed step after restore (2 hosts x 1 worker, etcd-v3 "
-                "rendezvous, replacement started at the kill)", "",
+                f"rendezvous, replacement started at the kill, {IDLE} s idle per step)", "",
                 table(["restore from", *phases, "vs peer"], rows), ""]
     flush()
 
