@@ -167,13 +167,16 @@ class CoordinationService:
 
     def _publish_steps(self) -> None:
         persisted = self.persist_status() if self.persist_status is not None else {}
-        for rank, step in self.owner.newest_steps().items():
+        own = self.owner.newest_steps()
+        for rank, step in own.items():
             record = {"memory": step, "persist": persisted.get(rank)}
             if self._published.get(f"ranks/{rank}") != record:
                 self.store.put(self.prefix + f"ranks/{rank}", _dump(
                     {"host": self.host_id, **record, "updated": time.time()}))
                 self._published[f"ranks/{rank}"] = record
         for rank, step in self.owner.newest_steps(replica=True).items():
+            if rank in own:
+                continue  # the copy a host keeps of its own ranks is not a replica
             key = f"replicas/{rank}/{self.host_id}"
             if self._published.get(key) != step:
                 self.store.put(self.prefix + key, _dump({"step": step, "updated": time.time()}))

@@ -180,6 +180,17 @@ class SlotOwner:
             memory.set_state(segment.view, memory.SlotState.WRITING)
             return segment
 
+    def discard_replicas_newer_than(self, step: int) -> None:
+        """Forget the replica slots holding steps after ``step`` (the step the job restores):
+        they belong to an abandoned attempt, and the same step numbers are about to be
+        trained again."""
+        with self._lock:
+            for pair in self._replicas.values():
+                for segment in pair:
+                    header = memory.read_header(segment.view) if segment is not None else None
+                    if segment is not None and header is not None and header.step > step:
+                        memory.set_state(segment.view, memory.SlotState.EMPTY)
+
     def segments(self, *, replica: bool = False) -> dict[int, list[memory.Segment]]:
         """A snapshot of the mapped slots per rank: own slots, or with ``replica`` the
         replica slots. The segments stay valid until :meth:`close` (or a regrow)."""
@@ -401,6 +412,7 @@ class MemoryService:
         scanned = time.monotonic()
         used = self._bring_in(plan, ranks, reports)
         restore = -1 if plan.step is None else plan.step
+        self.owner.discard_replicas_newer_than(restore)
         if self.persist is not None:
             self.persist.rewind(restore)  # later files belong to the abandoned attempt
         os.environ[ENV_RESTORE_STEP] = str(restore)

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from launcher import memory
-from launcher.errors import ConfigError, ReplicationError, StoreError
+from launcher.errors import ConfigError, GeminiError, ReplicationError, StoreError
 from launcher.events import EventLog
 from launcher.replication import placement, transport
 from launcher.slots import SlotOwner
@@ -99,9 +99,9 @@ class ReplicationService:
         self._commits: dict[int, tuple[int, float]] = {}  # rank -> (newest step, seen at)
         self._interval: dict[int, float] = {}  # rank -> iteration time (EWMA, seconds)
         self._failures: dict[tuple[str, int], float] = {}  # holder -> time of last failure
+        self._kept: dict[int, int] = {}  # rank -> step of this host's own copy of it
         self._running = threading.Event()
         self._stop = threading.Event()
-        self.bytes_sent = 0
         self._thread = threading.Thread(target=self._send_loop, name="gemini-replication",
                                         daemon=True)
         self._thread.start()
@@ -121,7 +121,8 @@ class ReplicationService:
             for address in list(self._clients):
                 if address not in self._holders:
                     self._clients.pop(address).close()
-            self._pushed = {k: v for k, v in self._pushed.items() if k[0] in self._holders}
+            self._pushed.clear()  # the job may have gone back to an older step
+            self._kept.clear()
         self.events.write("replication_round", node=node, nodes=nodes, placement=plan.kind,
                           holders=[f"{h}:{p}" for h, p in self._holders])
         self._running.set()
@@ -159,6 +160,8 @@ class ReplicationService:
             if due is None:
                 continue
             segment, header = due
+            if self._kept.get(rank, -1) < header.step and not self._keep_own_copy(segment, header):
+                continue  # the worker is rewriting that slot: wait for its next commit
             rate = self._rate(rank, header.data_len * len(own) * len(holders))
             for holder in holders:
                 if self._pushed.get((holder, rank), -1) >= header.step or not self._running.is_set():
@@ -167,6 +170,28 @@ class ReplicationService:
                     continue  # back off from a failing peer
                 sent |= self._push(holder, rank, segment, header, rate)
         return sent
+
+    def _keep_own_copy(self, segment: memory.Segment, header: memory.SlotHeader) -> bool:
+        """Copy the step about to be replicated into this host's replica slots of its own
+        rank. The worker's double buffer holds only its two newest steps; when replication
+        lags behind them, this copy is what lets the survivors of a host loss resume at a
+        step the lost host's replicas also hold (a pull from this host's own server)."""
+        rank = header.rank
+        try:
+            target = self.owner.write_target(
+                rank, memory.slot_size(header.data_len, header.meta_len), replica=True)
+            end = memory.HEADER_SIZE + header.data_len
+            with memoryview(segment.view) as src, memoryview(target.view) as dst:
+                dst[memory.HEADER_SIZE:end] = src[memory.HEADER_SIZE:end]
+                meta = bytes(src[header.meta_offset:header.meta_offset + header.meta_len])
+            if not memory.unchanged(segment.view, header):
+                return False
+            memory.commit_received(target.view, header, meta)
+        except GeminiError as exc:
+            logger.warning("keeping a copy of rank %d step %d failed: %s", rank, header.step, exc)
+            return False
+        self._kept[rank] = header.step
+        return True
 
     def _due(self, rank: int, segments: list[memory.Segment]
              ) -> tuple[memory.Segment, memory.SlotHeader] | None:
@@ -231,7 +256,6 @@ class ReplicationService:
             logger.info("replicating to %s:%d works again", *holder)
         if step is not None:
             self._pushed[(holder, rank)] = step
-            self.bytes_sent += header.data_len
         return True
 
     def _on_reject(self, peer: str, reason: str) -> None:
