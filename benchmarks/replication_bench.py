@@ -14,10 +14,9 @@ gloo over loopback). Printed, side by side with their baselines:
    its keep-alive expires), transfer (the replacement pulls its shard) and load + first
    step; next to the same recovery from the persistent tier on local disk
    (``--replicas 1 --persist-dir``, persisted every step). Each step here sleeps 0.2 s,
-   standing in for GPU compute that leaves the host's CPU free for replication: on
-   these two CPU-bound cores, paced replication of this state lags several steps behind
-   (part 2), and a lost host can then only resume from a step the survivors no longer
-   hold (see the README's limits).
+   standing in for GPU compute that leaves the host's CPU free for replication (on
+   these two CPU-bound cores, paced replication of this state lags a few steps behind,
+   see part 2, and a host loss then costs those steps).
 
     python benchmarks/replication_bench.py --repeat 3
 """
