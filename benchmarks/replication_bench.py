@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,12 +35,11 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from common import machine, table  # noqa: E402
+from helpers import kill_tree  # noqa: E402
 from transport_bench import bench_size, parse_size  # noqa: E402
 
 EXAMPLE = str(HERE.parent / "examples" / "train_gpt.py")
@@ -74,15 +72,7 @@ class Host:
 
     def kill(self) -> None:
         """The whole host: the supervisor and its workers (in sessions of their own)."""
-        try:
-            tree = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            tree = []
-        for proc in [psutil.Process(self.proc.pid), *tree]:
-            try:
-                proc.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
+        kill_tree(self.proc.pid)
         self.proc.wait()
 
     def wait(self, timeout: float) -> None:

@@ -50,13 +50,21 @@ def inspect_command(run_id: str | None, persist_dir: Path | None, tensors: bool,
 
 
 def _row(info: Any, with_tensors: bool) -> dict[str, Any]:
+    header = info.header
+    committed = header is not None and header.state.name == "COMMITTED"
+    return _common(info, with_tensors, segment=info.name, slot=info.index,
+                   copy="replica" if info.replica else "own",
+                   state=header.state.name if header else "INVALID",
+                   step=header.step if committed else None)
+
+
+def _common(info: Any, with_tensors: bool, **fields: Any) -> dict[str, Any]:
+    """The fields that slots and persisted files share (``info``: a ``memory.SlotInfo``
+    or a ``persist.FileInfo``), plus ``fields``."""
     header, meta = info.header, info.meta
     row: dict[str, Any] = {
-        "segment": info.name, "rank": info.rank, "slot": info.index, "bytes": info.size,
-        "copy": "replica" if info.replica else "own",
+        **fields, "rank": info.rank, "bytes": info.size,
         "run_id": header.run_id if header else None,
-        "state": header.state.name if header else "INVALID",
-        "step": header.step if header and header.state.name == "COMMITTED" else None,
         "seq": header.seq if header else None,
         "world_size": header.world_size if header else None,
         "data_bytes": header.data_len if header else None,
@@ -76,26 +84,12 @@ def _tensors(meta: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _file_row(info: Any, root: Path, with_tensors: bool) -> dict[str, Any]:
     """A row of the same schema for a persisted file (``launcher.persist.FileInfo``)."""
-    header, meta = info.header, info.meta
+    header = info.header
     state = header.state.name if header else "INVALID"
     if header and not info.published:
         state = "UNPUBLISHED"
-    row: dict[str, Any] = {
-        "segment": str(info.path.relative_to(root)), "rank": info.rank, "slot": None,
-        "bytes": info.size, "copy": "persisted",
-        "run_id": header.run_id if header else None,
-        "state": state,
-        "step": info.step,
-        "seq": header.seq if header else None,
-        "world_size": header.world_size if header else None,
-        "data_bytes": header.data_len if header else None,
-        "tensor_count": len(meta["tensors"]) if meta else None,
-        "verified": bool(meta) and info.error is None,
-        "error": info.error,
-    }
-    if with_tensors and meta:
-        row["tensors"] = _tensors(meta)
-    return row
+    return _common(info, with_tensors, segment=str(info.path.relative_to(root)), slot=None,
+                   copy="persisted", state=state, step=info.step)
 
 
 def _render(rows: list[dict[str, Any]], with_tensors: bool, where: str,

@@ -47,6 +47,7 @@ import xxhash
 
 from launcher import memory
 from launcher.errors import CheckpointError, StorageError, UsageError
+from launcher.priority import lower_priority
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ SCHEMA = "gemini.persist/v1"
 SLOT_SUFFIX = ".gslot"
 MANIFEST_SUFFIX = ".json"
 COPY_CHUNK = 8 << 20  # bytes per write() while copying a slot to its file
+WRITER_NICE = 10  # the writer thread yields the CPU to training
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.gslot$")
@@ -202,14 +204,19 @@ def _check(path: Path, fd: int, manifest: Manifest, *, run_id: str | None = None
     return header
 
 
-def _check_path(path: Path, **expect: Any) -> tuple[Manifest, memory.SlotHeader]:
-    manifest = _read_manifest(path)
+def _open(path: Path) -> int:
+    """A read-only descriptor of a persisted file (CheckpointError if it is gone)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointError(f"{path.name}: missing") from None
     except OSError as exc:
         raise StorageError(f"cannot open {path}: {exc.strerror}") from None
+
+
+def _check_path(path: Path, **expect: Any) -> tuple[Manifest, memory.SlotHeader]:
+    manifest = _read_manifest(path)
+    fd = _open(path)
     try:
         return manifest, _check(path, fd, manifest, **expect)
     except OSError as exc:
@@ -293,12 +300,7 @@ def read_slot_file(path: Path, *, check: bool = True) -> SlotImage:
     is unpublished, truncated or corrupt, StorageError if it cannot be read."""
     path = Path(path)
     manifest = _read_manifest(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path.name}: missing") from None
-    except OSError as exc:
-        raise StorageError(f"cannot open {path}: {exc.strerror}") from None
+    fd = _open(path)
     try:
         header = _check(path, fd, manifest)
         buf = mmap.mmap(fd, manifest.nbytes, access=mmap.ACCESS_COPY)
@@ -567,15 +569,6 @@ def plan(held: Mapping[int, Collection[int]], persisted: Mapping[int, int], *,
     return {rank: max(common or chosen) for rank, chosen in sorted(candidates.items())}
 
 
-def _lower_priority() -> None:
-    """Make the calling thread yield the CPU to training (best-effort, Linux)."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + 10))
-    except (OSError, AttributeError):
-        pass
-
-
 class PersistWriter:
     """Copies committed slots of this host's ranks to files in the background.
 
@@ -653,7 +646,7 @@ class PersistWriter:
                 logger.warning("persist thread still busy after %s s; left behind", timeout)
 
     def _loop(self) -> None:
-        _lower_priority()
+        lower_priority(WRITER_NICE)
         while not self._stop.wait(self.poll_interval):
             try:
                 self.run_once()

@@ -61,6 +61,23 @@ def kill_group(proc: subprocess.Popen[str]) -> None:
         pass
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and all its descendants at once, as a host failure would (torch
+    elastic starts workers in sessions of their own, out of reach of :func:`kill_group`)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def env_with(tmp: Path, **extra: str) -> dict[str, str]:
     """The test environment: a private run root, small thread counts, ``extra`` on top."""
     env = dict(os.environ)

@@ -19,11 +19,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from etcd_server import EtcdServer
-from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, run
+from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, kill_tree, run
 
 # per-gradient all_reduce: bitwise reproducible across restarts with more than 2 ranks
 TRAIN = (str(SCRIPTS / "train_ckpt.py"), "--grad-sync", "params")
@@ -56,16 +55,8 @@ class Host:
     def kill(self) -> None:
         """The whole host at once: supervisor, workers (in sessions of their own) and
         (without root) its memory."""
-        try:
-            tree = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            tree = []
+        kill_tree(self.proc.pid)
         kill_group(self.proc)
-        for child in tree:
-            try:
-                child.kill()
-            except psutil.NoSuchProcess:
-                pass
         self.proc.wait(timeout=30)
         if not ROOT:
             shutil.rmtree(self.shm, ignore_errors=True)

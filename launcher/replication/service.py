@@ -33,6 +33,7 @@ from pathlib import Path
 from launcher import memory
 from launcher.errors import ConfigError, GeminiError, ReplicationError, StoreError
 from launcher.events import EventLog
+from launcher.priority import lower_priority
 from launcher.replication import placement, transport
 from launcher.slots import SlotOwner
 from launcher.store import Store
@@ -139,7 +140,7 @@ class ReplicationService:
 
     # -- the sender ---------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        transport.lower_priority(PACED_NICE if self.pace else 0)
+        lower_priority(PACED_NICE if self.pace else 0)
         while not self._stop.is_set():
             if not self._running.wait(0.1):
                 continue

@@ -65,6 +65,7 @@ import xxhash
 
 from launcher import memory
 from launcher.errors import CheckpointError, ConfigError, ReplicationError, StorageError
+from launcher.priority import lower_priority
 
 logger = logging.getLogger(__name__)
 
@@ -554,16 +555,6 @@ def _slot_message(header: memory.SlotHeader, run_id: str) -> dict[str, Any]:
     return {"run_id": run_id, "rank": header.rank, "step": header.step, "seq": header.seq,
             "world_size": header.world_size, "data_len": header.data_len,
             "meta_hash": header.meta_hash}
-
-
-def lower_priority(nice: int) -> None:
-    """Give the calling thread (not its process) the niceness ``nice``, best-effort: under
-    CPU contention the training threads then go first."""
-    if nice > 0:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except (OSError, AttributeError):
-            pass
 
 
 # -- server ---------------------------------------------------------------------------
