@@ -402,10 +402,9 @@ class MemoryService:
         }
         store.set(f"holdings/{node}", json.dumps(report))
         reports = {peer: json.loads(store.get(f"holdings/{peer}")) for peer in range(nodes)}
-        plan = plan_restore(gather_sources(reports), world_size)
-        if plan.step is None and any(steps for r in reports.values() for tier in
-                                     ("local", "replicas", "persist")
-                                     for steps in (r.get(tier) or {}).values()):
+        available = gather_sources(reports)
+        plan = plan_restore(available, world_size)
+        if plan.step is None and available:
             logger.warning("no step is complete for every rank in any tier: the job starts "
                            "from step 0 (replication lagged behind a lost host?)")
             self.events.write("restore_incomplete", reports={str(k): v for k, v in reports.items()})
