@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import atexit
 import base64
+import ctypes
 import json
 import logging
 import os
@@ -51,15 +52,10 @@ ENV_PREFIX = "GEMINI_SLOT_PREFIX"
 ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
 ENV_SUPERVISOR_PID = "GEMINI_SUPERVISOR_PID"
 
+# Bytes copied then hashed at a time by copy_and_hash: half of a core's L2 cache here.
+COPY_CHUNK = 512 << 10
+
 _warned_inactive = False
-
-
-@dataclass(frozen=True)
-class _Entry:
-    path: str
-    tensor: torch.Tensor
-    offset: int
-    nbytes: int
 
 
 # -- state tree <-> JSON skeleton + tensors ---------------------------------------------
@@ -76,13 +72,13 @@ def _flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> An
         tensors.append((path, obj))
         return {"__tensor__": len(tensors) - 1}
     if isinstance(obj, (tuple, list)):
-        if all(type(v) in _SCALARS for v in obj):  # e.g. param ids: no recursion
+        if _SCALARS.issuperset(map(type, obj)):  # e.g. param ids: no recursion
             items = list(obj)
         else:
             items = [_flatten(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
     if isinstance(obj, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
+        if all(type(k) is str and k[:2] != "__" for k in obj):
             return {k: _flatten(v, f"{path}/{k}", tensors) for k, v in obj.items()}
         return {"__items__": [[_flatten(k, f"{path}/<key>", tensors),
                                _flatten(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}
@@ -264,10 +260,12 @@ class Checkpointer:
     def _capture(self) -> dict[str, Any]:
         state: dict[str, Any] = {"rng": _rng_state()}
         if self.model is not None:
-            params = {p.data_ptr() for p in self.model.parameters()}
-            model_state = self.model.state_dict()
-            state["model"] = {k: v if not isinstance(v, torch.Tensor) or v.data_ptr() in params
-                              else v.detach().clone() for k, v in model_state.items()}
+            # Parameters change only in the optimizer step, which waits for the copy;
+            # buffers (batch-norm statistics, ...) change in forward: copy them now.
+            state["model"] = {
+                k: v.detach() if isinstance(v, torch.nn.Parameter)
+                else v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in self.model.state_dict(keep_vars=True).items()}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
         extra: dict[str, Any] = {}
@@ -417,7 +415,7 @@ class Checkpointer:
             return cached
         self._layouts[index] = None
         sizes = [_tensor_bytes(t) for _, t in tensors]
-        small = [0 < n <= memory.HASH_CHUNK and t.is_contiguous() and not t.is_cuda
+        small = [0 < n <= memory.SMALL_TENSOR and not t.is_cuda
                  for n, (_, t) in zip(sizes, tensors, strict=True)]
         # Small tensors first, back to back: one checksum covers exactly them.
         offsets, offset = [0] * len(tensors), 0
@@ -432,13 +430,23 @@ class Checkpointer:
         small_at = [o for o, is_small in zip(offsets, small, strict=True) if is_small]
         small_end = max((o + n for o, n, f in zip(offsets, sizes, small, strict=True) if f),
                         default=0)
+        # Batches of small tensors of about COPY_CHUNK bytes: each is hashed from the cache
+        # right after it is copied. (first, last + 1, end offset), in slot order.
+        groups: list[tuple[int, int, int]] = []
+        first = 0
+        for i, start in enumerate(small_at):
+            if start - small_at[first] >= COPY_CHUNK:
+                groups.append((first, i, start))
+                first = i
+        if small_at:
+            groups.append((first, len(small_at), small_end))
         layout = _Layout(
             signature=signature, segment=segment, data_len=offset, offsets=offsets,
             nbytes=sizes, small=small, records=[],
-            dsts=[torch.frombuffer(buf, dtype=torch.uint8, count=n,
-                                   offset=memory.HEADER_SIZE + o)
-                  for o, n, f in zip(offsets, sizes, small, strict=True) if f],
-            block=(min(small_at, default=0), small_end))
+            dsts=[torch.frombuffer(buf, dtype=t.dtype, count=t.numel(),
+                                   offset=memory.HEADER_SIZE + o).view(t.shape)
+                  for o, (_, t), f in zip(offsets, tensors, small, strict=True) if f],
+            block=(min(small_at, default=0), small_end), groups=groups)
         for (path, tensor), start, is_small in zip(tensors, offsets, small, strict=True):
             record = json.dumps({"path": path, "dtype": str(tensor.dtype).split(".")[-1],
                                  "shape": list(tensor.shape), "offset": start,
@@ -466,21 +474,18 @@ class _Layout:
     # Each tensor's metadata JSON, in the tree's order: complete for a small tensor, split
     # around the checksum for a large one.
     records: list[str | tuple[str, str]]
-    dsts: list[torch.Tensor]  # the small tensors' destinations in the slot
+    dsts: list[torch.Tensor]  # the small tensors' places in the slot, shaped like them
     block: tuple[int, int]  # byte range of the slot's data covering every small tensor
+    groups: list[tuple[int, int, int]]  # batches of ``dsts`` copied and hashed together
 
 
 class _Worker:
-    """A daemon thread that runs one job at a time (the background copy), plus a second
-    one that hashes chunk i while the first copies chunk i+1: both release the GIL."""
+    """A daemon thread that runs one job at a time: the background copy."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = (
             queue.SimpleQueue())
-        self._hash_jobs: queue.SimpleQueue[tuple[Any, memoryview]] = queue.SimpleQueue()
-        self._hashed: queue.SimpleQueue[None] = queue.SimpleQueue()
-        for target, name in ((self._run, "gemini-save"), (self._hash, "gemini-hash")):
-            threading.Thread(target=target, name=name, daemon=True).start()
+        threading.Thread(target=self._run, name="gemini-save", daemon=True).start()
 
     def submit(self, job: Callable[[], None], done: threading.Event) -> None:
         self._jobs.put((job, done))
@@ -493,66 +498,60 @@ class _Worker:
             finally:
                 done.set()
 
-    def _hash(self) -> None:
-        while True:
-            hasher, view = self._hash_jobs.get()
-            try:
-                hasher.update(view)
-            finally:
-                view.release()
-                self._hashed.put(None)
-
     def copy_all(self, buf: Any, layout: _Layout,
                  tensors: list[torch.Tensor]) -> tuple[int, list[int]]:
         """Copy every tensor to its place in the slot; return the checksum of the block of
         small tensors and the checksums of the large ones.
 
-        Small CPU tensors go in one ``torch._foreach_copy_`` call and share one checksum;
-        large ones are copied in chunks while the hash thread hashes the previous chunk.
+        Small CPU tensors are copied in batches by ``torch._foreach_copy_`` and share one
+        checksum; large ones go through ``copy_and_hash``.
         """
-        srcs = [t.detach().reshape(-1).view(torch.uint8)
-                for t, small in zip(tensors, layout.small, strict=True) if small]
-        if srcs:
-            torch._foreach_copy_(layout.dsts, srcs)
-        low, high = layout.block
+        srcs = [t for t, small in zip(tensors, layout.small, strict=True) if small]
+        hasher = xxhash.xxh3_64()
+        done = memory.HEADER_SIZE + layout.block[0]
         view = memoryview(buf)
         try:
-            block = memory.checksum(view[memory.HEADER_SIZE + low:memory.HEADER_SIZE + high])
+            with torch.no_grad():
+                for first, last, end in layout.groups:
+                    torch._foreach_copy_(layout.dsts[first:last], srcs[first:last])
+                    hasher.update(view[done:memory.HEADER_SIZE + end])
+                    done = memory.HEADER_SIZE + end
         finally:
             view.release()
-        digests = [self.copy_and_hash(buf, _Entry("", tensor, start, nbytes))
+        block = hasher.intdigest()
+        digests = [copy_and_hash(buf, memory.HEADER_SIZE + start, tensor, nbytes)
                    for tensor, start, nbytes, small in zip(
                        tensors, layout.offsets, layout.nbytes, layout.small, strict=True)
                    if not small]
         return block, digests
 
-    def copy_and_hash(self, buf: Any, entry: _Entry) -> int:
-        """Copy one tensor into the slot; return the xxh3 of the copied bytes."""
-        if entry.nbytes == 0:
-            return xxhash.xxh3_64_intdigest(b"")
-        start = memory.HEADER_SIZE + entry.offset
-        dst = torch.frombuffer(buf, dtype=torch.uint8, count=entry.nbytes, offset=start)
-        src = entry.tensor.detach()
-        view = memoryview(buf)
-        try:
-            if not src.is_contiguous() or src.is_cuda:
-                dst.view(src.dtype).view(src.shape).copy_(src)
-                return memory.checksum(view[start:start + entry.nbytes])
-            flat = src.reshape(-1).view(torch.uint8)
-            hasher = xxhash.xxh3_64()
-            in_flight = False
-            for lo in range(0, entry.nbytes, memory.HASH_CHUNK):
-                hi = min(lo + memory.HASH_CHUNK, entry.nbytes)
-                dst[lo:hi].copy_(flat[lo:hi])
-                if in_flight:
-                    self._hashed.get()
-                self._hash_jobs.put((hasher, view[start + lo:start + hi]))
-                in_flight = True
-            if in_flight:
-                self._hashed.get()
-            return hasher.intdigest()
-        finally:
-            view.release()
+
+def copy_and_hash(buf: Any, start: int, tensor: torch.Tensor, nbytes: int) -> int:
+    """Copy ``tensor`` to byte ``start`` of ``buf``; return the xxh3 of the copied bytes.
+
+    A CPU tensor is copied and hashed in chunks that fit the core's L2 cache, so the hash
+    reads each chunk from cache right after the copy wrote it: the checksum costs no extra
+    pass over memory (about 0.9x a plain memcpy here, against 0.7x for a copy followed by
+    a hash of the destination). ``ctypes.memmove`` and xxhash both release the GIL.
+    """
+    if nbytes == 0:
+        return xxhash.xxh3_64_intdigest(b"")
+    dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start)
+    src = tensor.detach()
+    view = memoryview(buf)
+    try:
+        if not src.is_contiguous() or src.is_cuda:
+            dst.view(src.dtype).view(src.shape).copy_(src)
+            return memory.checksum(view[start:start + nbytes])
+        hasher = xxhash.xxh3_64()
+        to, frm = dst.data_ptr(), src.data_ptr()
+        for lo in range(0, nbytes, COPY_CHUNK):
+            size = min(COPY_CHUNK, nbytes - lo)
+            ctypes.memmove(to + lo, frm + lo, size)
+            hasher.update(view[start + lo:start + lo + size])
+        return hasher.intdigest()
+    finally:
+        view.release()
 
 
 def _slot_tensor(buf: Any, entry: dict[str, Any]) -> torch.Tensor:

@@ -43,7 +43,7 @@ MAGIC = b"GEMINIck"
 FORMAT_VERSION = 1
 HEADER_SIZE = 4096
 ALIGN = 64
-HASH_CHUNK = 4 << 20  # bytes copied per step of the copy/hash pipeline
+SMALL_TENSOR = 4 << 20  # tensors up to this size are copied in one batch, one checksum
 
 # magic, version, state, step, seq, rank, world_size, data_len, meta_offset, meta_len,
 # meta_hash, capacity, run_id (64 bytes, NUL padded)

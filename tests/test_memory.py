@@ -205,10 +205,10 @@ def test_adoption_and_clean_of_dead_owner(run_id: str) -> None:
     assert memory.list_segments(prefix) == []
 
 
-def test_large_tensors_take_the_pipelined_path(supervisor: SlotServer,
+def test_large_tensors_are_copied_and_hashed_in_chunks(supervisor: SlotServer,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    big = torch.nn.Linear(1100, 1100)  # 4.6 MiB of weights: copied in chunks, hashed aside
-    assert big.weight.numel() * 4 > memory.HASH_CHUNK
+    big = torch.nn.Linear(1100, 1100)  # 4.6 MiB of weights: copied and hashed chunk by chunk
+    assert big.weight.numel() * 4 > memory.SMALL_TENSOR
     ckpt = hook.Checkpointer(model=big)
     ckpt.restore()
     ckpt.save(0)
@@ -244,3 +244,13 @@ def test_inspect_command_reports_and_verifies(supervisor: SlotServer) -> None:
     errors = {s["step"]: s["error"] for s in json.loads(done.stdout)["slots"]}
     assert done.returncode == 5 and "checksum mismatch" in errors[1] and errors[0] is None
     assert run([*GEMINI, "inspect", "--run-id", run_id]).returncode == 5
+
+
+@pytest.mark.parametrize("nbytes", [1, hook.COPY_CHUNK - 1, hook.COPY_CHUNK, 3 * hook.COPY_CHUNK + 5])
+def test_copy_and_hash_copies_exactly_and_hashes_the_copy(nbytes: int) -> None:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    buf = bytearray(nbytes + 128)
+    digest = hook.copy_and_hash(buf, 64, src, nbytes)
+    assert bytes(buf[64:64 + nbytes]) == src.numpy().tobytes()
+    assert buf[:64] == bytes(64) and buf[64 + nbytes:] == bytes(64)
+    assert digest == memory.checksum(memoryview(buf)[64:64 + nbytes])
