@@ -329,9 +329,10 @@ def launch(config: RunConfig, command: Command, *,
     if not launch_config.run_id:
         launch_config.run_id = str(uuid.uuid4().int)
 
-    if launch_config.rdzv_backend == "etcd-v3":
-        from launcher.rendezvous import register
+    from launcher.rendezvous import register, speed_up_event_names
 
+    speed_up_event_names()
+    if launch_config.rdzv_backend == "etcd-v3":
         register()
     try:
         spec = _worker_spec(launch_config, entrypoint, tuple(entry_args))

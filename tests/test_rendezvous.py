@@ -1,8 +1,12 @@
-"""Stable node slots: a pure function, tested without processes."""
+"""Rendezvous helpers that need no processes: stable node slots, fast event names."""
 
 from __future__ import annotations
 
-from launcher.rendezvous import assign_slots
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+from launcher.rendezvous import _caller_name, assign_slots
 
 
 def test_stable_slots() -> None:
@@ -14,3 +18,15 @@ def test_stable_slots() -> None:
     assert assign_slots({0: ("h2", 2), 1: ("h1", 1)}, 2) == {0: 0, 1: 1}
     # two claims of one slot: the first host id keeps it
     assert assign_slots({0: ("x", 0), 1: ("a", 0)}, 2) == {0: 1, 1: 0}
+
+
+def test_fast_event_names_match_torchs() -> None:
+    slow = dynamic_rendezvous.get_method_name
+
+    def record(name_of: Any) -> str:
+        return str(name_of())
+
+    def some_method(name_of: Any) -> str:
+        return record(name_of)
+
+    assert some_method(_caller_name) == some_method(slow) == "some_method"
