@@ -111,14 +111,16 @@ def _tensors(tree: object, path: str = "") -> dict[str, torch.Tensor]:
 
 
 def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
-                     nproc: int = 2) -> list[dict]:
+                     nproc: int = 2, spare: bool = False) -> list[dict]:
     """Train on ``nodes`` hosts of ``nproc`` workers; once past step 20 kill the hosts in
-    node slots ``victims`` and start one replacement each; return the restore_plan events
-    that follow the kill. The output of rank 0 goes to ``tmp/out.pt``."""
+    node slots ``victims`` and start one replacement each (or, with ``spare``, start one
+    more host before the kill, which waits as a standby: ``--nnodes N:N`` is full);
+    return the restore_plan events that follow the kill. The output of rank 0 goes to
+    ``tmp/out.pt``."""
     hosts: list[Host] = []
     with EtcdServer() as etcd:
         def argv() -> list[str]:
-            return [*GEMINI, "run", "--nnodes", str(nodes), "--nproc-per-node", str(nproc),
+            return [*GEMINI, "run", "--nnodes", f"{nodes}:{nodes}", "--nproc-per-node", str(nproc),
                     "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
                     "--rdzv-id", "repl", "--rdzv-conf", "last_call_timeout=1",
                     "--store", etcd.url, "--host-ttl", "3", "--max-restarts", "5",
@@ -130,12 +132,18 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
             _wait(lambda: len(_slots(tmp)) == nodes, 120, "every host in the rendezvous", hosts)
             by_slot = {slot: name for name, slot in _slots(tmp).items()}
             rank0 = next(h for h in hosts if h.name == by_slot[0])
+            if spare:
+                hosts.append(Host(tmp, "new0", argv()))
+                _wait(lambda: any(e["event"] == "launch" and e["host"] == "new0"
+                                  for e in events(tmp / "runs")), 60, "the standby", hosts)
             _wait(lambda: re.search(r"^step 2\d ", rank0.output(), re.M) is not None, 180,
                   "step 20", hosts)
+            if spare:
+                assert "new0" not in _slots(tmp)  # waiting, not training
             for slot in victims:
                 next(h for h in hosts if h.name == by_slot[slot]).kill()
             killed = time.time()
-            for i, _ in enumerate(victims):
+            for i in range(0 if spare else len(victims)):
                 hosts.append(Host(tmp, f"new{i}", argv()))
             for host in hosts:
                 if host.name not in {by_slot[s] for s in victims}:
@@ -162,6 +170,21 @@ def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int, every: i
     for plan in plans:  # the replacement pulls from a peer, the survivors use their own memory
         want = {"peer"} if plan["host"] == "new0" else {"memory"} if every == 1 else {"memory", "peer"}
         assert set(plan["sources"].values()) <= want and plan["sources"], plan  # type: ignore[union-attr]
+    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def test_standby_host_takes_the_lost_slot(tmp_path: Path) -> None:
+    """A third host started with the same flags while ``--nnodes 2:2`` is full waits in
+    the rendezvous; when a host is lost it is admitted in its place, takes its node slot
+    and pulls its ranks from the surviving peer's memory."""
+    reference = _reference(tmp_path, 4)
+    plans = _run_and_replace(tmp_path, 2, [1], spare=True)
+    assert _slots(tmp_path)["new0"] == 1
+    assert {p["host"] for p in plans} == {"h0", "new0"}, plans
+    assert len({p["step"] for p in plans}) == 1 and plans[0]["step"] >= 15, plans
+    for plan in plans:
+        want = "peer" if plan["host"] == "new0" else "memory"
+        assert set(plan["sources"].values()) == {want}, plan  # type: ignore[union-attr]
     _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
