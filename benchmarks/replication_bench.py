@@ -7,7 +7,10 @@ gloo over loopback). Printed, side by side with their baselines:
 2. the training-step slowdown while every step is replicated to the peer, with and
    without pacing, against the same job with replication off (``--replicas 1``);
    target <= 5% with pacing; and with the persistent tier written every step instead
-   (to this machine's disk), to show that the persistent writer does not stall training;
+   (to this machine's disk), to show that the persistent writer does not stall training.
+   Measured twice: CPU-bound (both cores train, nothing is left for replication) and
+   with each step also waiting ``DEVICE_TIME`` seconds with the CPU free
+   (``--device-time``), a stand-in for a GPU host, whose CPU idles while the GPU computes;
 3. the time from killing a whole host (supervisor and worker) to the first completed
    step after restore, split into detection (the survivor's worker fails), rendezvous
    (the replacement host joins; torch's dynamic rendezvous drops the dead host after
@@ -46,6 +49,7 @@ EXAMPLE = str(HERE.parent / "examples" / "train_gpt.py")
 MODEL = ["--n-embd", "384", "--n-layer", "4", "--n-head", "6", "--batch-size", "4"]
 GEMINI = [sys.executable, "-m", "gemini_cli", "run"]
 IDLE = 0.2  # seconds each host-loss step sleeps: GPU time, during which the CPU is free
+DEVICE_TIME = 0.2  # seconds of stand-in GPU time per step in part 2's second setting
 
 
 class Host:
@@ -91,7 +95,7 @@ def _events(run_root: Path) -> list[dict[str, object]]:
 
 # -- 2. training slowdown -------------------------------------------------------------------
 
-def step_ms(mode: list[str], steps: int) -> float:
+def step_ms(mode: list[str], steps: int, device_time: float = 0.0) -> float:
     """Median step time of rank 0 with two one-worker hosts on a c10d rendezvous."""
     with tempfile.TemporaryDirectory() as tmp, _shm() as shm:
         port = _free_port()
@@ -101,7 +105,8 @@ def step_ms(mode: list[str], steps: int) -> float:
             argv = [*GEMINI, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "slowdown",
                     "--replication-addr", "127.0.0.1", "--no-standby",
-                    *[m.replace("{tmp}", tmp) for m in mode], EXAMPLE, "--steps", str(steps), *MODEL]
+                    *[m.replace("{tmp}", tmp) for m in mode], EXAMPLE, "--steps", str(steps),
+                    "--device-time", str(device_time), *MODEL]
             hosts.append(Host(argv, dict(env, GEMINI_HOST_ID=f"h{i}",
                                          GEMINI_SHM_DIR=_shm_dir(shm, i))))
         for host in hosts:
@@ -213,15 +218,27 @@ def main() -> None:
                  "every 4th step, paced": ["--replicas", "2", "--pace", "--replicate-every", "4"],
                  "off, persisted every step instead": ["--replicas", "1", "--persist-dir",
                                                        "{tmp}/persist", "--persist-every", "1"]}
-        times: dict[str, list[float]] = {name: [] for name in modes}
+        settings = {"CPU-bound": 0.0, f"+{DEVICE_TIME} s device time": DEVICE_TIME}
+        times: dict[tuple[str, str], list[float]] = {
+            (name, setting): [] for setting in settings for name in modes}
         for _ in range(args.repeat):
-            for name, mode in modes.items():  # interleaved, so drift hits every mode alike
-                times[name].append(step_ms(mode, args.steps))
-        base = statistics.median(times["replication off (--replicas 1)"])
-        rows = [[name, f"{statistics.median(t):.1f} ms", f"{100 * (statistics.median(t) / base - 1):+.1f}%"]
-                for name, t in times.items()]
-        out += [f"2. training step while replicating every step (example GPT, {' '.join(MODEL)}; "
-                "2 hosts x 1 worker)", "", table(["replication", "median step", "vs off"], rows), ""]
+            for setting, device_time in settings.items():
+                for name, mode in modes.items():  # interleaved: drift hits every mode alike
+                    times[name, setting].append(step_ms(mode, args.steps, device_time))
+        rows = []
+        for name in modes:
+            row: list[object] = [name]
+            for setting in settings:
+                base = statistics.median(times["replication off (--replicas 1)", setting])
+                ours = statistics.median(times[name, setting])
+                row += [f"{ours:.1f} ms", f"{100 * (ours / base - 1):+.1f}%"]
+            rows.append(row)
+        header = ["replication"]
+        for setting in settings:
+            header += [f"step, {setting}", "vs off"]
+        out += [f"2. training step while replicating (example GPT, {' '.join(MODEL)}; 2 hosts x "
+                f"1 worker; CPU-bound: both cores train; device time: each step also waits "
+                f"{DEVICE_TIME} s with the CPU free, as for a GPU)", "", table(header, rows), ""]
         flush()
 
     if "3" not in skip:

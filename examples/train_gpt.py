@@ -154,6 +154,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds after each step")
+    parser.add_argument("--device-time", type=float, default=0.0, metavar="SECONDS",
+                        help="seconds each step waits before its checkpoint, counted in the "
+                             "step's time, as if for an accelerator: a stand-in for GPU "
+                             "compute, during which the host's CPU is free")
     parser.add_argument("--save-weights", metavar="PATH", help="rank 0 saves the final weights")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--log-every", type=int, default=1)
@@ -248,6 +252,8 @@ def main() -> None:
         loss = mean_across_ranks(rank_loss, world_size)
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"step {step} loss {loss:.4f}", flush=True)
+        if args.device_time > 0:
+            time.sleep(args.device_time)
         if not args.no_checkpoint:
             ckpt.save(step)  # returns at once; the copy finishes in the background
         step_times.append(time.perf_counter() - began)

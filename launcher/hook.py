@@ -415,7 +415,7 @@ class Checkpointer:
             return cached
         self._layouts[index] = None
         sizes = [_tensor_bytes(t) for _, t in tensors]
-        small = [0 < n <= memory.SMALL_TENSOR and not t.is_cuda
+        small = [0 < n <= memory.SMALL_TENSOR and t.device.type == "cpu"
                  for n, (_, t) in zip(sizes, tensors, strict=True)]
         # Small tensors first, back to back: one checksum covers exactly them.
         offsets, offset = [0] * len(tensors), 0
@@ -540,7 +540,7 @@ def copy_and_hash(buf: Any, start: int, tensor: torch.Tensor, nbytes: int) -> in
     src = tensor.detach()
     view = memoryview(buf)
     try:
-        if not src.is_contiguous() or src.is_cuda:
+        if not src.is_contiguous() or src.device.type != "cpu":
             dst.view(src.dtype).view(src.shape).copy_(src)
             return memory.checksum(view[start:start + nbytes])
         hasher = xxhash.xxh3_64()
