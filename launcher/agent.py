@@ -329,9 +329,9 @@ def launch(config: RunConfig, command: Command, *,
     if not launch_config.run_id:
         launch_config.run_id = str(uuid.uuid4().int)
 
-    from launcher.rendezvous import register, speed_up_event_names
+    from launcher.rendezvous import register, speed_up_rendezvous
 
-    speed_up_event_names()
+    speed_up_rendezvous(single_node=launch_config.max_nodes == 1)
     if launch_config.rdzv_backend == "etcd-v3":
         register()
     try:

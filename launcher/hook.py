@@ -52,9 +52,6 @@ ENV_PREFIX = "GEMINI_SLOT_PREFIX"
 ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
 ENV_SUPERVISOR_PID = "GEMINI_SUPERVISOR_PID"
 
-# Bytes copied then hashed at a time by copy_and_hash: half of a core's L2 cache here.
-COPY_CHUNK = 512 << 10
-
 _warned_inactive = False
 
 
@@ -430,12 +427,12 @@ class Checkpointer:
         small_at = [o for o, is_small in zip(offsets, small, strict=True) if is_small]
         small_end = max((o + n for o, n, f in zip(offsets, sizes, small, strict=True) if f),
                         default=0)
-        # Batches of small tensors of about COPY_CHUNK bytes: each is hashed from the cache
+        # Batches of small tensors of about memory.COPY_CHUNK bytes: each is hashed from the cache
         # right after it is copied. (first, last + 1, end offset), in slot order.
         groups: list[tuple[int, int, int]] = []
         first = 0
         for i, start in enumerate(small_at):
-            if start - small_at[first] >= COPY_CHUNK:
+            if start - small_at[first] >= memory.COPY_CHUNK:
                 groups.append((first, i, start))
                 first = i
         if small_at:
@@ -545,8 +542,8 @@ def copy_and_hash(buf: Any, start: int, tensor: torch.Tensor, nbytes: int) -> in
             return memory.checksum(view[start:start + nbytes])
         hasher = xxhash.xxh3_64()
         to, frm = dst.data_ptr(), src.data_ptr()
-        for lo in range(0, nbytes, COPY_CHUNK):
-            size = min(COPY_CHUNK, nbytes - lo)
+        for lo in range(0, nbytes, memory.COPY_CHUNK):
+            size = min(memory.COPY_CHUNK, nbytes - lo)
             ctypes.memmove(to + lo, frm + lo, size)
             hasher.update(view[start + lo:start + lo + size])
         return hasher.intdigest()

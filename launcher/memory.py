@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import json
 import mmap
 import os
@@ -43,6 +44,7 @@ MAGIC = b"GEMINIck"
 FORMAT_VERSION = 1
 HEADER_SIZE = 4096
 ALIGN = 64
+COPY_CHUNK = 512 << 10  # bytes copied, then hashed from the cache, at a time (half an L2)
 SMALL_TENSOR = 4 << 20  # tensors up to this size are copied in one batch, one checksum
 
 # magic, version, state, step, seq, rank, world_size, data_len, meta_offset, meta_len,
@@ -247,26 +249,31 @@ def unchanged(buf: mmap.mmap, header: SlotHeader) -> bool:
             and now.step == header.step)
 
 
-def commit_received(buf: mmap.mmap, header: SlotHeader, meta: bytes) -> None:
+def commit_received(buf: mmap.mmap, header: SlotHeader, meta: bytes,
+                    verifier: StreamVerifier | None = None) -> None:
     """Commit a slot whose tensor bytes were written (at ``HEADER_SIZE``) by a copy from
     elsewhere (a peer host, a file): check the metadata against ``header.meta_hash``, verify
-    every checksum, then commit with ``header``'s step, seq, rank and world size. The slot
-    must be in the WRITING state. Raises CheckpointError and leaves it WRITING on any
-    mismatch."""
-    if xxhash.xxh3_64_intdigest(meta) != header.meta_hash:
-        raise CheckpointError("metadata checksum mismatch")
-    if HEADER_SIZE + header.data_len > len(buf):
-        raise CheckpointError(f"{header.data_len} data bytes do not fit a {len(buf)}-byte slot")
-    try:
-        decoded = json.loads(meta)
-        verify(buf, SlotHeader(SlotState.COMMITTED, header.step, header.seq, header.rank,
-                               header.world_size, header.data_len, 0, 0, 0, len(buf),
-                               header.run_id), decoded)
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        raise CheckpointError(f"malformed metadata: {exc}") from None
+    every checksum (what ``verifier``, from :func:`stream_verifier`, has not checked yet
+    while the bytes arrived), then commit with ``header``'s step, seq, rank and world
+    size. The slot must be in the WRITING state. Raises CheckpointError and leaves it
+    WRITING on any mismatch."""
+    if verifier is None:
+        verifier = stream_verifier(buf, header, meta)
+    verifier.finish()
     write_commit(buf, step=header.step, seq=header.seq, rank=header.rank,
                  world_size=header.world_size, run_id=header.run_id,
                  data_len=header.data_len, meta=meta)
+
+
+def stream_verifier(buf: mmap.mmap, header: SlotHeader, meta: bytes) -> StreamVerifier:
+    """A verifier for ``header``'s data arriving in ``buf``, from its raw metadata (checked
+    against ``header.meta_hash`` first); CheckpointError if the metadata is bad."""
+    if xxhash.xxh3_64_intdigest(meta) != header.meta_hash:
+        raise CheckpointError("metadata checksum mismatch")
+    try:
+        return StreamVerifier(buf, header.data_len, json.loads(meta))
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise CheckpointError(f"malformed metadata: {exc}") from None
 
 
 def _aligned(n: int) -> int:
@@ -302,28 +309,85 @@ def read_meta(buf: mmap.mmap, header: SlotHeader) -> dict[str, Any]:
 
 def verify(buf: mmap.mmap, header: SlotHeader, meta: dict[str, Any]) -> None:
     """Recompute every tensor's checksum; raise CheckpointError on the first mismatch."""
-    limit = HEADER_SIZE + header.data_len
-    view = memoryview(buf)
-    try:
+    StreamVerifier(buf, header.data_len, meta).finish()
+
+
+class StreamVerifier:
+    """Checks a slot's checksums while its data bytes arrive in order.
+
+    ``advance(n)``, once the first ``n`` data bytes are in place, hashes the checksummed
+    ranges they complete (still in the cache when called right after each chunk is
+    written, so checking costs no second pass over memory); ``finish()`` hashes what is
+    left and raises CheckpointError unless every checksum matched. A mismatch is only
+    reported by ``finish()``, so that a reader can first learn whether its source
+    changed while it copied (a torn copy, not a corrupt one). Metadata whose ranges fall
+    outside ``data_len``, overlap, or leave a tensor without a checksum is rejected when
+    the verifier is made.
+    """
+
+    def __init__(self, buf: mmap.mmap, data_len: int, meta: dict[str, Any]) -> None:
+        if HEADER_SIZE + data_len > len(buf):
+            raise CheckpointError(f"{data_len} data bytes do not fit a {len(buf)}-byte slot")
+        ranges: list[tuple[int, int, int, str]] = []  # start, end, xxh3, what
         block_end = 0
         for block in meta.get("blocks", []):
-            start = HEADER_SIZE + int(block["offset"])
-            end = start + int(block["nbytes"])
+            start, end = _bounds(block, data_len, "the block of small tensors")
             block_end = max(block_end, end)
-            if end > limit or checksum(view[start:end]) != int(block["xxh3"], 16):
-                raise CheckpointError("checksum mismatch in the block of small tensors")
+            ranges.append((start, end, int(block["xxh3"], 16), "the block of small tensors"))
         for entry in meta["tensors"]:
-            start = HEADER_SIZE + int(entry["offset"])
-            end = start + int(entry["nbytes"])
-            if end > limit:
-                raise CheckpointError(f"tensor {entry['path']} out of bounds")
+            what = f"tensor {entry['path']}"
+            start, end = _bounds(entry, data_len, what)
             if entry["xxh3"] is None:
                 if end > block_end:
-                    raise CheckpointError(f"tensor {entry['path']} has no checksum")
-            elif checksum(view[start:end]) != int(entry["xxh3"], 16):
-                raise CheckpointError(f"checksum mismatch in tensor {entry['path']}")
-    finally:
-        view.release()
+                    raise CheckpointError(f"{what} has no checksum")
+            else:
+                ranges.append((start, end, int(entry["xxh3"], 16), what))
+        for start, end, digest, what in ranges:
+            if start == end and digest != _EMPTY:
+                raise CheckpointError(f"checksum mismatch in {what}")
+        self._ranges = sorted(r for r in ranges if r[0] < r[1])
+        for before, after in itertools.pairwise(self._ranges):
+            if after[0] < before[1]:
+                raise CheckpointError(f"{before[3]} and {after[3]} overlap")
+        self._buf = buf
+        self._data_len = data_len
+        self._next = 0  # index of the first range not yet complete
+        self._done = 0  # data bytes of that range hashed so far (from its start)
+        self._hasher = xxhash.xxh3_64()
+        self._error: CheckpointError | None = None
+
+    def advance(self, upto: int) -> None:
+        """The first ``upto`` data bytes are in place: check every range they complete."""
+        with memoryview(self._buf) as view:
+            while self._next < len(self._ranges) and self._error is None:
+                start, end, digest, what = self._ranges[self._next]
+                lo, hi = max(start, self._done), min(end, upto)
+                if hi <= lo:
+                    break
+                self._hasher.update(view[HEADER_SIZE + lo:HEADER_SIZE + hi])
+                self._done = hi
+                if hi < end:
+                    break
+                if self._hasher.intdigest() != digest:
+                    self._error = CheckpointError(f"checksum mismatch in {what}")
+                self._hasher.reset()
+                self._next += 1
+
+    def finish(self) -> None:
+        """Check what is left; raise CheckpointError unless every checksum matched."""
+        self.advance(self._data_len)
+        if self._error is not None:
+            raise self._error
+
+
+_EMPTY = xxhash.xxh3_64_intdigest(b"")
+
+
+def _bounds(entry: dict[str, Any], data_len: int, what: str) -> tuple[int, int]:
+    start, nbytes = int(entry["offset"]), int(entry["nbytes"])
+    if start < 0 or nbytes < 0 or start + nbytes > data_len:
+        raise CheckpointError(f"{what} out of bounds")
+    return start, start + nbytes
 
 
 @dataclass(frozen=True)

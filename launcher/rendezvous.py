@@ -163,14 +163,30 @@ def _caller_name(depth: int = 2) -> str:
     return frame.f_code.co_name
 
 
-def speed_up_event_names() -> None:
-    """torch's dynamic rendezvous names each event it records after the calling method,
-    found with ``inspect.stack()``, which reads the source file of every frame on the
-    stack: about 0.1 s per rendezvous round, paid again after every failure. The same
-    name from ``sys._getframe`` costs microseconds."""
+def speed_up_rendezvous(*, single_node: bool) -> None:
+    """Two costs of torch's dynamic rendezvous that a restart pays for nothing.
+
+    It names each event it records after the calling method, found with
+    ``inspect.stack()``, which reads the source file of every frame on the stack: about
+    0.1 s per round, after every failure. The same name from ``sys._getframe`` costs
+    microseconds. And before a handler's first re-rendezvous it sleeps a random 0-0.3 s
+    to spread the nodes' first attempts over time; a single-node job has no one to
+    spread against, so there it does not sleep."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     dynamic_rendezvous.get_method_name = _caller_name
+    if single_node:
+        delay = getattr(dynamic_rendezvous, "_delay")  # noqa: B009
+        setattr(dynamic_rendezvous, "_delay", _no_start_skew(delay))  # noqa: B010
+
+
+def _no_start_skew(delay: Any) -> Any:
+    def skip_start_skew(seconds: float | tuple[float, float]) -> None:
+        if isinstance(seconds, tuple):  # the random skew; a fixed delay is a poll interval
+            return
+        delay(seconds)
+
+    return skip_start_skew
 
 
 def assign_slots(members: dict[int, tuple[str, int | None]], world_size: int) -> dict[int, int]:

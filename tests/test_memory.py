@@ -5,6 +5,7 @@ Real /dev/shm segments, a real Unix socket server; no torch elastic.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -246,7 +247,7 @@ def test_inspect_command_reports_and_verifies(supervisor: SlotServer) -> None:
     assert run([*GEMINI, "inspect", "--run-id", run_id]).returncode == 5
 
 
-@pytest.mark.parametrize("nbytes", [1, hook.COPY_CHUNK - 1, hook.COPY_CHUNK, 3 * hook.COPY_CHUNK + 5])
+@pytest.mark.parametrize("nbytes", [1, memory.COPY_CHUNK - 1, memory.COPY_CHUNK, 3 * memory.COPY_CHUNK + 5])
 def test_copy_and_hash_copies_exactly_and_hashes_the_copy(nbytes: int) -> None:
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     buf = bytearray(nbytes + 128)
@@ -254,3 +255,71 @@ def test_copy_and_hash_copies_exactly_and_hashes_the_copy(nbytes: int) -> None:
     assert bytes(buf[64:64 + nbytes]) == src.numpy().tobytes()
     assert buf[:64] == bytes(64) and buf[64 + nbytes:] == bytes(64)
     assert digest == memory.checksum(memoryview(buf)[64:64 + nbytes])
+
+
+def _checked_slot() -> tuple[memory.Segment, memory.SlotHeader, dict]:
+    """A committed slot of a block of small tensors, one empty and two large tensors."""
+    name = f"gemini-verifier-{os.getpid()}"
+    data = os.urandom(3 * memory.COPY_CHUNK + 4096)
+    block, big1, big2 = (0, 4096), (4096, 4096 + memory.COPY_CHUNK + 7), (
+        4096 + memory.COPY_CHUNK + 64, len(data))
+    digest = lambda lo, hi: f"{memory.checksum(memoryview(data)[lo:hi]):016x}"  # noqa: E731
+    meta = {"step": 3, "blocks": [{"offset": 0, "nbytes": 4096, "xxh3": digest(*block)}],
+            "tensors": [{"path": "/a", "offset": 64, "nbytes": 100, "xxh3": None},
+                        {"path": "/empty", "offset": 4096, "nbytes": 0, "xxh3": digest(0, 0)},
+                        {"path": "/b", "offset": big1[0], "nbytes": big1[1] - big1[0],
+                         "xxh3": digest(*big1)},
+                        {"path": "/c", "offset": big2[0], "nbytes": big2[1] - big2[0],
+                         "xxh3": digest(*big2)}], "tree": {}}
+    segment = memory.create_segment(name, memory.slot_size(len(data), 4096))
+    segment.view[memory.HEADER_SIZE:memory.HEADER_SIZE + len(data)] = data
+    raw = json.dumps(meta).encode()
+    memory.write_commit(segment.view, step=3, seq=1, rank=0, world_size=1, run_id="r",
+                        data_len=len(data), meta=raw)
+    header = memory.read_header(segment.view)
+    assert header is not None
+    return segment, header, meta
+
+
+@pytest.mark.parametrize("chunk", [1, 4095, memory.COPY_CHUNK, 10 << 20])
+def test_stream_verifier_checks_in_any_chunking(chunk: int) -> None:
+    segment, header, meta = _checked_slot()
+    try:
+        step = max(chunk, 1 << 16) if chunk == 1 else chunk  # 1-byte steps would be slow
+        verifier = memory.StreamVerifier(segment.view, header.data_len, meta)
+        for upto in range(0, header.data_len, step):
+            verifier.advance(upto)
+        verifier.finish()
+        memory.verify(segment.view, header, meta)
+        # a flipped byte in the second large tensor: found once that tensor is complete
+        spot = meta["tensors"][3]["offset"] + 5
+        segment.view[memory.HEADER_SIZE + spot] ^= 0x01
+        verifier = memory.StreamVerifier(segment.view, header.data_len, meta)
+        verifier.advance(header.data_len)  # found, but reported by finish()
+        with pytest.raises(CheckpointError, match="tensor /c"):
+            verifier.finish()
+        with pytest.raises(CheckpointError, match="tensor /c"):
+            memory.verify(segment.view, header, meta)
+    finally:
+        segment.close()
+        memory.unlink_segment(segment.name)
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"offset": -64}, "out of bounds"),
+    ({"nbytes": 10 << 20}, "out of bounds"),
+    ({"offset": 4000}, "overlap"),
+])
+def test_stream_verifier_rejects_bad_ranges(change: dict, error: str) -> None:
+    segment, header, meta = _checked_slot()
+    try:
+        meta["tensors"][2].update(change)
+        with pytest.raises(CheckpointError, match=error):
+            memory.StreamVerifier(segment.view, header.data_len, meta)
+        meta["tensors"][2]["xxh3"] = None  # a tensor outside the block with no checksum
+        meta["tensors"][2].update(offset=4096, nbytes=100)
+        with pytest.raises(CheckpointError, match="has no checksum"):
+            memory.StreamVerifier(segment.view, header.data_len, meta)
+    finally:
+        segment.close()
+        memory.unlink_segment(segment.name)

@@ -1,4 +1,4 @@
-"""Rendezvous helpers that need no processes: stable node slots, fast event names."""
+"""Rendezvous helpers that need no processes: stable node slots, the rendezvous speed-ups."""
 
 from __future__ import annotations
 
@@ -30,3 +30,13 @@ def test_fast_event_names_match_torchs() -> None:
         return record(name_of)
 
     assert some_method(_caller_name) == some_method(slow) == "some_method"
+
+
+def test_single_node_skips_only_the_random_start_skew() -> None:
+    from launcher.rendezvous import _no_start_skew
+
+    slept: list[object] = []
+    delay = _no_start_skew(slept.append)
+    delay((0, 0.3))
+    delay(1)
+    assert slept == [1]

@@ -100,7 +100,8 @@ class ReplicationService:
         self._commits: dict[int, tuple[int, float]] = {}  # rank -> (newest step, seen at)
         self._interval: dict[int, float] = {}  # rank -> iteration time (EWMA, seconds)
         self._failures: dict[tuple[str, int], float] = {}  # holder -> time of last failure
-        self._kept: dict[int, int] = {}  # rank -> step of this host's own copy of it
+        # rank -> (step, this host's own copy of it, which pushes go out from)
+        self._kept: dict[int, tuple[int, memory.Segment]] = {}
         self._running = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._send_loop, name="gemini-replication",
@@ -161,38 +162,53 @@ class ReplicationService:
             if due is None:
                 continue
             segment, header = due
-            if self._kept.get(rank, -1) < header.step and not self._keep_own_copy(segment, header):
-                continue  # the worker is rewriting that slot: wait for its next commit
+            kept = self._kept.get(rank)
+            if kept is None or kept[0] < header.step:
+                kept = self._keep_own_copy(segment, header)
+                if kept is None:
+                    continue  # the worker is rewriting that slot: wait for its next commit
             rate = self._rate(rank, header.data_len * len(own) * len(holders))
             for holder in holders:
-                if self._pushed.get((holder, rank), -1) >= header.step or not self._running.is_set():
+                if self._pushed.get((holder, rank), -1) >= kept[0] or not self._running.is_set():
                     continue
                 if time.monotonic() - self._failures.get(holder, -1e9) < 1.0:
                     continue  # back off from a failing peer
-                sent |= self._push(holder, rank, segment, header, rate)
+                sent |= self._push(holder, rank, kept[1], rate)
         return sent
 
-    def _keep_own_copy(self, segment: memory.Segment, header: memory.SlotHeader) -> bool:
+    def _keep_own_copy(self, segment: memory.Segment, header: memory.SlotHeader
+                       ) -> tuple[int, memory.Segment] | None:
         """Copy the step about to be replicated into this host's replica slots of its own
-        rank. The worker's double buffer holds only its two newest steps; when replication
-        lags behind them, this copy is what lets the survivors of a host loss resume at a
-        step the lost host's replicas also hold (a pull from this host's own server)."""
+        rank, and return (step, the copy); pushes go out from the copy.
+
+        The worker's double buffer holds only its two newest steps; when replication lags
+        behind them, this copy is what lets the survivors of a host loss resume at a step
+        the lost host's replicas also hold (a pull from this host's own server). And as
+        the worker never writes the copy, a push of a large state can take several
+        iterations without being torn. Each chunk is checked while it is in the cache."""
         rank = header.rank
         try:
             target = self.owner.write_target(
                 rank, memory.slot_size(header.data_len, header.meta_len), replica=True)
-            end = memory.HEADER_SIZE + header.data_len
-            with memoryview(segment.view) as src, memoryview(target.view) as dst:
-                dst[memory.HEADER_SIZE:end] = src[memory.HEADER_SIZE:end]
+            with memoryview(segment.view) as src:
                 meta = bytes(src[header.meta_offset:header.meta_offset + header.meta_len])
+            verifier = memory.stream_verifier(target.view, header, meta)
+            with memoryview(segment.view) as src, memoryview(target.view) as dst:
+                for low in range(0, header.data_len, memory.COPY_CHUNK):
+                    high = min(low + memory.COPY_CHUNK, header.data_len)
+                    dst[memory.HEADER_SIZE + low:memory.HEADER_SIZE + high] = (
+                        src[memory.HEADER_SIZE + low:memory.HEADER_SIZE + high])
+                    verifier.advance(high)
             if not memory.unchanged(segment.view, header):
-                return False
-            memory.commit_received(target.view, header, meta)
+                return None
+            memory.commit_received(target.view, header, meta, verifier)
         except GeminiError as exc:
-            logger.warning("keeping a copy of rank %d step %d failed: %s", rank, header.step, exc)
-            return False
-        self._kept[rank] = header.step
-        return True
+            if memory.unchanged(segment.view, header):  # else: torn by the worker, as above
+                logger.warning("keeping a copy of rank %d step %d failed: %s", rank,
+                               header.step, exc)
+            return None
+        self._kept[rank] = (header.step, target)
+        return self._kept[rank]
 
     def _due(self, rank: int, segments: list[memory.Segment]
              ) -> tuple[memory.Segment, memory.SlotHeader] | None:
@@ -234,7 +250,7 @@ class ReplicationService:
         return max(MIN_RATE, per_iteration / (PACE_SHARE * interval))
 
     def _push(self, holder: tuple[str, int], rank: int, segment: memory.Segment,
-              header: memory.SlotHeader, rate: float | None) -> bool:
+              rate: float | None) -> bool:
         try:
             client = self._clients.get(holder)
             if client is None:

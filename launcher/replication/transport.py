@@ -377,9 +377,11 @@ def _sendall(sock: socket.socket, data: bytes, timeout: float) -> None:
         raise _Broken(f"connection lost: {exc}") from None
 
 
-def _recv_data(sock: socket.socket, view: memoryview, timeout: float) -> None:
-    """Fill ``view`` from ``sock``; ``timeout`` bounds each wait for the next
-    :data:`RECV_LOWAT` bytes (or the rest, when fewer are left)."""
+def _recv_data(sock: socket.socket, view: memoryview, timeout: float,
+               verifier: memory.StreamVerifier) -> None:
+    """Fill ``view`` from ``sock``, at most :data:`RECV_LOWAT` bytes at a time, each
+    checked by ``verifier`` while it is in the cache; ``timeout`` bounds each wait for
+    the next :data:`RECV_LOWAT` bytes (or the rest, when fewer are left)."""
     n = len(view)
     got = 0
     lowat = 1
@@ -390,10 +392,11 @@ def _recv_data(sock: socket.socket, view: memoryview, timeout: float) -> None:
             if want != lowat:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                 lowat = want
-            k = sock.recv_into(view[got:], n - got)
+            k = sock.recv_into(view[got:], want)
             if k == 0:
                 raise _Broken(f"truncated data: peer closed after {got} of {n} bytes")
             got += k
+            verifier.advance(got)
         if lowat != 1:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
     except TimeoutError:
@@ -763,10 +766,16 @@ class Server:
             if too_small:
                 channel.send({"ok": False, "error": f"slot {segment.name} is smaller than {need}"})
                 return
+            try:
+                verifier = memory.stream_verifier(buf, header, request.meta)
+            except CheckpointError as exc:
+                self._try_reply(channel, {"ok": False, "error": f"bad metadata: {exc}"})
+                raise ReplicationError(f"rank {header.rank} step {header.step}: bad metadata: "
+                                       f"{exc}") from None
             channel.send({"ok": True})
             with memoryview(buf) as whole, \
                     whole[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len] as data:
-                _recv_data(channel.sock, data, self.timeout)
+                _recv_data(channel.sock, data, self.timeout, verifier)
             stable = parse_trailer(channel.recv()[0])
             if not stable:
                 channel.send({"ok": True, "aborted": True})
@@ -774,7 +783,7 @@ class Server:
                             header.rank, header.step)
                 return
             try:
-                memory.commit_received(buf, header, request.meta)
+                memory.commit_received(buf, header, request.meta, verifier)
             except (CheckpointError, StorageError, RecursionError) as exc:
                 self._try_reply(channel, {"ok": False, "error": f"verification failed: {exc}"})
                 raise ReplicationError(f"rank {header.rank} step {header.step} failed "
@@ -926,13 +935,15 @@ class Client:
             raise ReplicationError(f"target slot {segment.name} has {segment.size} bytes, "
                                    f"needs {need}")
         buf = segment.view
-        with memoryview(buf) as whole, \
-                whole[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len] as data:
-            _recv_data(channel.sock, data, self.timeout)
-        if not parse_trailer(channel.recv()[0]):
-            raise _Refused(f"{self.peer}'s slot of rank {rank} step {step} changed while sending")
         try:
-            memory.commit_received(buf, header, meta)
+            verifier = memory.stream_verifier(buf, header, meta)
+            with memoryview(buf) as whole, \
+                    whole[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len] as data:
+                _recv_data(channel.sock, data, self.timeout, verifier)
+            if not parse_trailer(channel.recv()[0]):
+                raise _Refused(f"{self.peer}'s slot of rank {rank} step {step} changed while "
+                               "sending")
+            memory.commit_received(buf, header, meta, verifier)
         except (CheckpointError, StorageError, RecursionError) as exc:
             raise _Refused(f"rank {rank} step {step} from {self.peer} failed verification: "
                            f"{exc}") from None
