@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -270,18 +271,33 @@ class SlotOwner:
         or with ``replica`` in the replica slots (every rank held when ``ranks`` is None)."""
         with self._lock:
             pairs = self._replicas if replica else self._slots
+            wanted = sorted(pairs) if ranks is None else list(ranks)
+            segments = [s for rank in wanted for s in pairs.get(rank, []) if s is not None]
+            # Hashing releases the GIL: verify the slots side by side.
+            with ThreadPoolExecutor(max_workers=max(1, min(len(segments), os.cpu_count() or 1))
+                                    ) as pool:
+                infos = dict(zip(map(id, segments), pool.map(memory.describe, segments),
+                                 strict=True))
             found: dict[int, list[int]] = {}
-            for rank in sorted(pairs) if ranks is None else ranks:
+            for rank in wanted:
                 steps: list[int] = []
                 for segment in pairs.get(rank, []):
                     if segment is None:
                         continue
-                    info = memory.describe(segment)
+                    info = infos[id(segment)]
                     header = info.header
                     if (info.valid_step is not None and header is not None
                             and header.run_id == self.run_id[:64]
                             and header.world_size == world_size and header.rank == rank):
                         steps.append(info.valid_step)
+                    elif info.error and not replica and header is not None and (
+                            memory.unchanged(segment.view, header)):
+                        # Called before workers start: nothing else writes own slots.
+                        # Uncommit it, so that no one picks it for its step (a good copy
+                        # of the same step and seq may be pulled next to it).
+                        logger.warning("slot %s is corrupt, discarded: %s", segment.name,
+                                       info.error)
+                        memory.set_state(segment.view, memory.SlotState.EMPTY)
                     elif info.error:
                         logger.warning("slot %s unusable: %s", segment.name, info.error)
                 found[rank] = sorted(steps)
@@ -362,6 +378,9 @@ class SlotServer:
 ENV_SOCKET = "GEMINI_SLOT_SOCKET"
 ENV_PREFIX = "GEMINI_SLOT_PREFIX"
 ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
+#: "rank:seq,...": the slots holding the restore step that the supervisor has just
+#: verified; a worker whose slot still has that seq need not hash it again.
+ENV_RESTORE_VERIFIED = "GEMINI_RESTORE_VERIFIED"
 
 
 class MemoryService:
@@ -415,6 +434,8 @@ class MemoryService:
         if self.persist is not None:
             self.persist.rewind(restore)  # later files belong to the abandoned attempt
         os.environ[ENV_RESTORE_STEP] = str(restore)
+        os.environ[ENV_RESTORE_VERIFIED] = ",".join(
+            f"{rank}:{seq}" for rank, seq in self._verified(ranks, restore).items())
         self.events.write("restore_plan", step=plan.step, local=report["local"],
                           replicas=report["replicas"], persist=report["persist"],
                           sources={str(rank): used[rank] for rank in sorted(used)},
@@ -424,6 +445,17 @@ class MemoryService:
             addresses = {peer: (str(r["address"][0]), int(r["address"][1]))
                          for peer, r in reports.items() if r.get("address")}
             self.replication.set_round(node, nodes, addresses)
+
+    def _verified(self, ranks: list[int], step: int) -> dict[int, int]:
+        """The seq of each rank's own slot holding ``step``: every such slot was verified
+        in this round, by the scan or when it was pulled or loaded."""
+        found = {}
+        for rank in ranks if step >= 0 else []:
+            segment = self.owner.find(rank, step)
+            header = memory.read_header(segment.view) if segment is not None else None
+            if header is not None and segment in self.owner.segments().get(rank, []):
+                found[rank] = header.seq
+        return found
 
     def _bring_in(self, plan: RestorePlan, ranks: list[int],
                   reports: dict[int, dict[str, Any]]) -> dict[int, str]:

@@ -125,8 +125,26 @@ def test_flipped_byte_falls_back_to_older_slot(supervisor: SlotServer) -> None:
     segment = memory.attach_segment(newest.name)
     segment.view[memory.HEADER_SIZE + 5] ^= 0x01  # one flipped bit in tensor data
     segment.close()
-    assert owner.holdings([0], 1) == {0: [0]}
     assert "checksum mismatch" in (memory.inspect_slot(newest.name).error or "")
+    assert owner.holdings([0], 1) == {0: [0]}
+    # discarded, so that nothing picks it for step 1 (a good copy may be pulled beside it)
+    header = memory.inspect_slot(newest.name).header
+    assert header is not None and header.state is memory.SlotState.EMPTY
+
+
+def test_worker_verifies_unless_the_supervisor_did(supervisor: SlotServer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_two_steps()
+    newest = next(s for s in memory.iter_slots(supervisor.owner.prefix) if s.valid_step == 1)
+    assert newest.header is not None
+    segment = memory.attach_segment(newest.name)
+    segment.view[memory.HEADER_SIZE + 5] ^= 0x01
+    segment.close()
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "1")
+    monkeypatch.setenv(hook.ENV_RESTORE_VERIFIED, f"0:{newest.header.seq + 1},1:{newest.header.seq}")
+    model, opt = _model()
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        hook.Checkpointer(model=model, optimizer=opt).restore()
 
 
 def test_mismatched_checkpoint_is_a_clear_error(supervisor: SlotServer,
