@@ -76,7 +76,7 @@ def _flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> An
             items = [_flatten(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
     if isinstance(obj, dict):
-        if all(type(k) is str and k[:2] != "__" for k in obj):
+        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
             return {k: _flatten(v, f"{path}/{k}", tensors) for k, v in obj.items()}
         return {"__items__": [[_flatten(k, f"{path}/<key>", tensors),
                                _flatten(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}

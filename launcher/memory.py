@@ -352,7 +352,7 @@ class StreamVerifier:
         self._buf = buf
         self._data_len = data_len
         self._next = 0  # index of the first range not yet complete
-        self._done = 0  # data bytes of that range hashed so far (from its start)
+        self._done = 0  # data offset up to which the current range is hashed
         self._hasher = xxhash.xxh3_64()
         self._error: CheckpointError | None = None
 

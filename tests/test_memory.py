@@ -80,6 +80,15 @@ def test_tree_roundtrip_keeps_types() -> None:
     assert back["nested"] == {0: {"inf": float("inf")}}
 
 
+def test_string_subclass_keys_are_strings() -> None:
+    class Key(str):
+        pass
+
+    tensors: list[tuple[str, torch.Tensor]] = []
+    skeleton = hook._flatten({Key("lr"): 0.1}, "", tensors)
+    assert hook._unflatten(json.loads(json.dumps(skeleton)), []) == {"lr": 0.1}
+
+
 def test_unsupported_value_is_a_clear_error() -> None:
     with pytest.raises(CheckpointError, match="extra/x.*set"):
         hook._flatten({"extra": {"x": {1, 2}}}, "", [])

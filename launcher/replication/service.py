@@ -3,12 +3,13 @@
 Every supervisor runs a transport :class:`~launcher.replication.transport.Server` that
 keeps the replicas peers push into this host's replica slots and answers pulls. A sender
 thread watches this host's own slots and pushes each rank's newest committed step to the
-nodes that :mod:`~launcher.replication.placement` names as its holders, straight from
-shared memory, or with ``--replicate-every N`` the newest step that is a multiple of N
-(the same steps on every host, so that after a host loss the replicas of all ranks hold
-a common step). A push that is still on the wire when the worker commits the next step
-finishes (unless the worker starts rewriting its slot: then it is dropped), and the next
-push takes the newest step: replication coalesces instead of queueing.
+nodes that :mod:`~launcher.replication.placement` names as its holders, or with
+``--replicate-every N`` the newest step that is a multiple of N (the same steps on every
+host, so that after a host loss the replicas of all ranks hold a common step). It first
+copies the step into this host's own replica slots of the rank (a copy the worker never
+writes) and pushes from there, straight from shared memory. A push that is still on the
+wire when the worker commits the next step finishes, and the next push takes the newest
+step: replication coalesces instead of queueing.
 
 Pacing (the paper's traffic interleaving, adapted): the paper fits checkpoint traffic
 into the gaps of training's own network traffic. Here the contended resources are the
