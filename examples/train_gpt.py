@@ -161,6 +161,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-weights", metavar="PATH", help="rank 0 saves the final weights")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--alternate-saves", type=int, default=0, metavar="N",
+                        help="save only in every other block of N steps, and report the "
+                             "median step with and without a save (benchmarks)")
     parser.add_argument("--no-checkpoint", action="store_true",
                         help="do not save to gemini's in-memory tier (for overhead baselines)")
     return parser.parse_args()
@@ -205,6 +208,10 @@ def mean_across_ranks(value: torch.Tensor, world_size: int) -> float:
     return total.item() / world_size
 
 
+def median_ms(times: list[float]) -> float:
+    return 1e3 * sorted(times)[len(times) // 2] if times else 0.0
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -245,6 +252,7 @@ def main() -> None:
               flush=True)
     loss = float("nan")
     step_times = []
+    by_saving: dict[bool, list[float]] = {True: [], False: []}
     for step in range(start, args.steps):
         began = time.perf_counter()
         inputs, targets = get_batch(data, args.seed, step, rank, args.batch_size, args.seq_len)
@@ -254,16 +262,21 @@ def main() -> None:
             print(f"step {step} loss {loss:.4f}", flush=True)
         if args.device_time > 0:
             time.sleep(args.device_time)
-        if not args.no_checkpoint:
+        saving = not args.no_checkpoint and (
+            args.alternate_saves <= 0 or (step // args.alternate_saves) % 2 == 0)
+        if saving:
             ckpt.save(step)  # returns at once; the copy finishes in the background
         step_times.append(time.perf_counter() - began)
+        by_saving[saving].append(step_times[-1])
         if args.sleep > 0:
             time.sleep(args.sleep)
     ckpt.close()
     if rank == 0:
-        median_ms = 1e3 * sorted(step_times)[len(step_times) // 2] if step_times else 0.0
-        print(f"done steps={args.steps} final_loss={loss:.4f} median_step_ms={median_ms:.2f}",
-              flush=True)
+        print(f"done steps={args.steps} final_loss={loss:.4f} "
+              f"median_step_ms={median_ms(step_times):.2f}", flush=True)
+        if args.alternate_saves > 0:
+            print(f"median_saving_ms={median_ms(by_saving[True]):.3f} "
+                  f"median_plain_ms={median_ms(by_saving[False]):.3f}", flush=True)
         if args.save_weights:
             torch.save(model.state_dict(), args.save_weights)
     # Free DDP before the group: if DDP's reducer drops the last reference to a gloo
