@@ -27,6 +27,7 @@ def _rank_logs(log_dir: Path, attempt: int = 0) -> list[list[str]]:
 # third_party/README.md). gemini runs these scripts with restarts and must succeed;
 # torchrun, without restarts, may then fail with SIGABRT, which the tests accept.
 ABORT_AT_EXIT = "Signal 6 (SIGABRT)"
+AT_EXIT_MESSAGE = "terminate called without an active exception"  # its stderr line
 
 
 def _launch(launcher: tuple[str, ...], nodes: int, args: list[str], tmp: Path,
@@ -77,8 +78,18 @@ def test_aws_ddp_trainer_same_output(tmp_path: Path, nodes: int) -> None:
     assert ours == theirs == [0] * nodes, (ours, theirs)
     expected = [[line.replace("t.pt", "X") for line in lines] for lines in _rank_logs(their_logs)]
     got = [[line.replace("g.pt", "X") for line in lines] for lines in _rank_logs(our_logs)]
-    assert got == expected and len(got) == 2
-    assert "[RANK 1] Epoch 2 | Batchsize: 32 | Steps: 32" in got[1]
+    if list(our_logs.glob("*/attempt_1")):
+        # The gloo abort at exit (ABORT_AT_EXIT) hit a gemini worker after its work was
+        # done, and gemini restarted the job, which resumed from the script's own snapshot.
+        # The other host's agent restarts for the membership change into the same
+        # attempt_0 log directory, overwriting its first attempt's log: compare less.
+        assert any(AT_EXIT_MESSAGE in path.read_text()
+                   for path in our_logs.glob("*/attempt_0/*/stderr.log"))
+        assert any("Resuming training from snapshot at Epoch 2" in path.read_text()
+                   for path in our_logs.glob("*/attempt_*/*/stdout.log"))
+    else:
+        assert got == expected and len(got) == 2
+        assert "[RANK 1] Epoch 2 | Batchsize: 32 | Steps: 32" in got[1]
     snapshot = torch.load(tmp_path / "g.pt", weights_only=True)
     assert snapshot["EPOCHS_RUN"] == 2
 
