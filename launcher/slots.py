@@ -450,10 +450,11 @@ class MemoryService:
         """The seq of each rank's own slot holding ``step``: every such slot was verified
         in this round, by the scan or when it was pulled or loaded."""
         found = {}
+        own = self.owner.segments()
         for rank in ranks if step >= 0 else []:
-            segment = self.owner.find(rank, step)
+            segment = self.owner.find(rank, step)  # own slots first, then replicas
             header = memory.read_header(segment.view) if segment is not None else None
-            if header is not None and segment in self.owner.segments().get(rank, []):
+            if header is not None and segment in own.get(rank, []):
                 found[rank] = header.seq
         return found
 
