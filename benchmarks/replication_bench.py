@@ -95,8 +95,10 @@ def _events(run_root: Path) -> list[dict[str, object]]:
 
 # -- 2. training slowdown -------------------------------------------------------------------
 
-def step_ms(mode: list[str], steps: int, device_time: float = 0.0) -> float:
-    """Median step time of rank 0 with two one-worker hosts on a c10d rendezvous."""
+def step_ms(mode: list[str], steps: int, device_time: float = 0.0) -> tuple[float, float]:
+    """Median step time of rank 0 with two one-worker hosts on a c10d rendezvous, and the
+    share of the steps due for replication that reached the peer (pushes coalesce to the
+    newest step when replication falls behind)."""
     with tempfile.TemporaryDirectory() as tmp, _shm() as shm:
         port = _free_port()
         env = dict(os.environ, GEMINI_RUN_ROOT=f"{tmp}/runs", PYTHONWARNINGS="ignore")
@@ -115,7 +117,10 @@ def step_ms(mode: list[str], steps: int, device_time: float = 0.0) -> float:
         match = re.search(r"median_step_ms=([\d.]+)", text)
         if not match:
             raise RuntimeError(text[-3000:])
-        return float(match.group(1))
+        pushes = sum(int(e.get("pushes", 0)) for e in _events(Path(tmp, "runs"))  # type: ignore[call-overload]
+                     if e["event"] == "replication_done")
+        every = int(mode[mode.index("--replicate-every") + 1]) if "--replicate-every" in mode else 1
+        return float(match.group(1)), pushes / (len(hosts) * (steps // every))
 
 
 def _shm() -> tempfile.TemporaryDirectory[str]:
@@ -221,21 +226,26 @@ def main() -> None:
         settings = {"CPU-bound": 0.0, f"+{DEVICE_TIME} s device time": DEVICE_TIME}
         times: dict[tuple[str, str], list[float]] = {
             (name, setting): [] for setting in settings for name in modes}
+        shares: dict[tuple[str, str], list[float]] = {key: [] for key in times}
         for _ in range(args.repeat):
             for setting, device_time in settings.items():
                 for name, mode in modes.items():  # interleaved: drift hits every mode alike
-                    times[name, setting].append(step_ms(mode, args.steps, device_time))
+                    ms, share = step_ms(mode, args.steps, device_time)
+                    times[name, setting].append(ms)
+                    shares[name, setting].append(share)
         rows = []
         for name in modes:
             row: list[object] = [name]
             for setting in settings:
                 base = statistics.median(times["replication off (--replicas 1)", setting])
                 ours = statistics.median(times[name, setting])
-                row += [f"{ours:.1f} ms", f"{100 * (ours / base - 1):+.1f}%"]
+                share = statistics.median(shares[name, setting])
+                row += [f"{ours:.1f} ms", f"{100 * (ours / base - 1):+.1f}%",
+                        f"{100 * share:.0f}%" if "--replicas 2" in " ".join(modes[name]) else "-"]
             rows.append(row)
         header = ["replication"]
         for setting in settings:
-            header += [f"step, {setting}", "vs off"]
+            header += [f"step, {setting}", "vs off", "steps replicated"]
         out += [f"2. training step while replicating (example GPT, {' '.join(MODEL)}; 2 hosts x "
                 f"1 worker; CPU-bound: both cores train; device time: each step also waits "
                 f"{DEVICE_TIME} s with the CPU free, as for a GPU)", "", table(header, rows), ""]

@@ -103,6 +103,7 @@ class ReplicationService:
         self._failures: dict[tuple[str, int], float] = {}  # holder -> time of last failure
         # rank -> (step, this host's own copy of it, which pushes go out from)
         self._kept: dict[int, tuple[int, memory.Segment]] = {}
+        self.pushes = 0  # completed pushes (a step of a rank to one holder)
         self._running = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._send_loop, name="gemini-replication",
@@ -274,6 +275,7 @@ class ReplicationService:
             logger.info("replicating to %s:%d works again", *holder)
         if step is not None:
             self._pushed[(holder, rank)] = step
+            self.pushes += 1
         return True
 
     def _on_reject(self, peer: str, reason: str) -> None:
@@ -283,6 +285,7 @@ class ReplicationService:
         self._stop.set()
         self._running.set()
         self._thread.join(timeout=10)
+        self.events.write("replication_done", pushes=self.pushes)
         with self._lock:
             for client in self._clients.values():
                 client.close()
