@@ -127,7 +127,7 @@ _python_rng: tuple[tuple[int, ...], torch.Tensor] | None = None  # the last stat
 def _rng_state() -> dict[str, Any]:
     global _python_rng
     version, internal, gauss = random.getstate()
-    if _python_rng is not None and _python_rng[0] == internal:  # unused since: 1 us, not 15
+    if _python_rng is not None and _python_rng[0] == internal:  # unchanged: 1 us, not 15
         words = _python_rng[1]
     else:
         words = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
@@ -215,21 +215,17 @@ class Checkpointer:
         if step < 0:
             self._discard_newer_than(-1)
             return 0
-        index = _find(self._segments, step)
+        index = self._find(step)
         if index is None:
             raise CheckpointError(f"rank {self.rank}: step {step} is not in local memory")
         segment = self._segments[index]
         assert segment is not None
         header = memory.read_header(segment.view)
         assert header is not None
-        copies = _take_prefetched(segment.name, header.seq)
-        if copies is not None:
-            meta, private = copies
-        else:
-            meta, private = memory.read_meta(segment.view, header), {}
-            if header.seq != _verified_seqs().get(self.rank):  # else the supervisor just did
-                memory.verify(segment.view, header, meta)
-        self._load(_restore_tensors(segment.view, meta, private), meta, step)
+        meta = memory.read_meta(segment.view, header)
+        if header.seq != _verified_seqs().get(self.rank):  # else the supervisor just did
+            memory.verify(segment.view, header, meta)
+        self._load(segment, meta, step)
         self._discard_newer_than(step)
         self._newest = index
         return step + 1
@@ -303,7 +299,8 @@ class Checkpointer:
         state["extra"] = extra
         return state
 
-    def _load(self, tensors: list[torch.Tensor], meta: dict[str, Any], step: int) -> None:
+    def _load(self, segment: memory.Segment, meta: dict[str, Any], step: int) -> None:
+        tensors = [_slot_tensor(segment.view, entry) for entry in meta["tensors"]]
         state = _unflatten(meta["tree"], tensors)
         try:
             if self.model is not None:
@@ -313,11 +310,11 @@ class Checkpointer:
             if self.optimizer is not None:
                 if "optimizer" not in state:
                     raise CheckpointError("it holds no optimizer state")
-                self.optimizer.load_state_dict(state["optimizer"])
+                self.optimizer.load_state_dict(_clone_tensors(state["optimizer"]))
             for key, value in self.extra.items():
                 if key not in state["extra"]:
                     raise CheckpointError(f"it holds no extra value {key!r}")
-                saved = state["extra"][key]
+                saved = _clone_tensors(state["extra"][key])
                 if _stateful(value):
                     value.load_state_dict(saved)
                 else:
@@ -328,7 +325,7 @@ class Checkpointer:
                                   f"match the model/optimizer: {reason}") from None
         except CheckpointError as exc:
             raise CheckpointError(f"rank {self.rank}: checkpoint of step {step}: {exc}") from None
-        _set_rng_state(state["rng"])
+        _set_rng_state(_clone_tensors(state["rng"]))
 
     # -- slots ----------------------------------------------------------------------------
     def _attach_existing(self) -> None:
@@ -341,6 +338,16 @@ class Checkpointer:
             header = memory.read_header(segment.view) if segment is not None else None
             if header is not None:
                 self._seq = max(self._seq, header.seq)
+
+    def _find(self, step: int) -> int | None:
+        best: tuple[int, int] | None = None
+        for index, segment in enumerate(self._segments):
+            header = memory.read_header(segment.view) if segment is not None else None
+            if header is not None and header.state is memory.SlotState.COMMITTED and (
+                header.step == step and (best is None or header.seq > best[1])
+            ):
+                best = (index, header.seq)
+        return best[0] if best else None
 
     def _discard_newer_than(self, step: int) -> None:
         """Forget steps after the restored one: they belong to an abandoned attempt."""
@@ -595,119 +602,6 @@ def load_state(buf: Any, meta: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _find(segments: list[memory.Segment | None], step: int) -> int | None:
-    """Index of the segment holding ``step`` committed (the newest seq if both do)."""
-    best: tuple[int, int] | None = None
-    for index, segment in enumerate(segments):
-        header = memory.read_header(segment.view) if segment is not None else None
-        if header is not None and header.state is memory.SlotState.COMMITTED and (
-            header.step == step and (best is None or header.seq > best[1])
-        ):
-            best = (index, header.seq)
-    return best[0] if best else None
-
-
-def _owned_by_state(entry: dict[str, Any]) -> bool:
-    """Whether restore hands this tensor to the optimizer, ``extra`` or the RNG, which keep
-    it (a private copy is needed), rather than to the model's ``load_state_dict``, which
-    copies it into the parameters (the slot's bytes can be read in place)."""
-    return not str(entry.get("path", "")).startswith("/model/")
-
-
-def _restore_tensors(buf: Any, meta: dict[str, Any],
-                     private: dict[int, torch.Tensor]) -> list[torch.Tensor]:
-    """The slot's tensors for ``Checkpointer._load``: views of ``buf`` for the model, private
-    copies for the rest (those in ``private``, already made, and the others made now)."""
-    tensors = []
-    for i, entry in enumerate(meta["tensors"]):
-        tensor = private.get(i)
-        if tensor is None:
-            tensor = _slot_tensor(buf, entry)
-            if _owned_by_state(entry):
-                tensor = tensor.clone() if tensor.device.type == "cpu" else tensor
-        tensors.append(tensor)
-    return tensors
-
-
-# -- restore prefetch -------------------------------------------------------------------
-# After a failure, a new worker spends a while importing and building its model before it
-# calls restore(). In that time a background thread already makes the private copies that
-# restore() needs (the optimizer state: two thirds of an Adam checkpoint), most of a
-# restore's cost, as the kernel hands the copies fresh pages.
-
-_prefetch: tuple[threading.Thread, dict[str, Any]] | None = None
-
-
-def prefetch_restore() -> None:
-    """Start copying this worker's restore step out of its slot, if the supervisor chose
-    one (``GEMINI_RESTORE_STEP``); ``restore()`` uses the copies. Called when this module
-    is imported in a worker and when a standby interpreter becomes one; idempotent."""
-    global _prefetch
-    step, prefix, rank = (os.environ.get(name, "") for name in (ENV_RESTORE_STEP, ENV_PREFIX,
-                                                                  "RANK"))
-    if _prefetch is not None or not (step.isdigit() and rank.isdigit() and prefix) or not (
-        os.environ.get(ENV_SOCKET)
-    ):
-        return
-    result: dict[str, Any] = {}
-    thread = threading.Thread(target=_prefetch_copies,
-                              args=(prefix, int(rank), int(step), result),
-                              name="gemini-restore", daemon=True)
-    _prefetch = (thread, result)
-    thread.start()
-
-
-def _prefetch_copies(prefix: str, rank: int, step: int, result: dict[str, Any]) -> None:
-    segments: list[memory.Segment | None] = [None, None]
-    try:
-        for i in range(2):
-            name = memory.slot_name(prefix, rank, i)
-            if (memory.SHM_DIR / name).exists():
-                segments[i] = memory.attach_segment(name, populate=False)
-        index = _find(segments, step)
-        if index is None:
-            return
-        segment = segments[index]
-        assert segment is not None
-        header = memory.read_header(segment.view)
-        assert header is not None
-        meta = memory.read_meta(segment.view, header)
-        if header.seq != _verified_seqs().get(rank):
-            memory.verify(segment.view, header, meta)
-        private = {i: _private_copy(_slot_tensor(segment.view, entry))
-                   for i, entry in enumerate(meta["tensors"])
-                   if _owned_by_state(entry) and entry.get("device", "cpu") == "cpu"}
-        result.update(name=segment.name, seq=header.seq, meta=meta, private=private)
-    except Exception:  # restore() does it again and reports the error
-        logger.debug("restore prefetch failed", exc_info=True)
-    finally:
-        for segment in segments:
-            if segment is not None:
-                segment.close()
-
-
-def _private_copy(view: torch.Tensor) -> torch.Tensor:
-    """A copy of a CPU slot view, made by this thread alone (torch's clone would also use
-    the training's intra-op threads)."""
-    copy = torch.empty_like(view)
-    ctypes.memmove(copy.data_ptr(), view.data_ptr(), _tensor_bytes(view))
-    return copy
-
-
-def _take_prefetched(name: str, seq: int) -> tuple[dict[str, Any], dict[int, torch.Tensor]] | None:
-    """The prefetched (metadata, private copies) of slot ``name`` at ``seq``, verified;
-    None if there are none (then restore reads and verifies the slot itself)."""
-    global _prefetch
-    if _prefetch is None:
-        return None
-    thread, result = _prefetch
-    thread.join()
-    _prefetch = None
-    if result.get("name") != name or result.get("seq") != seq:
-        return None
-    return result["meta"], result["private"]
-
-
 def _verified_seqs() -> dict[int, int]:
     """Rank -> seq of the slot holding the restore step that the supervisor verified in
     this round, from ``GEMINI_RESTORE_VERIFIED`` ("rank:seq,...")."""
@@ -753,5 +647,3 @@ def _warn_inactive() -> None:
         warnings.warn("gemini Checkpointer: not running under `gemini run`; "
                       "save() and restore() keep nothing", RuntimeWarning, stacklevel=3)
 
-
-prefetch_restore()

@@ -166,8 +166,6 @@ def _run(job: dict[str, Any]) -> None:
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
-    if "launcher.hook" in sys.modules:  # imported without the worker's environment
-        sys.modules["launcher.hook"].prefetch_restore()
     argv = [a for a in job["argv"] if a != "-u"]
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)

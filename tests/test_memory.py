@@ -144,56 +144,6 @@ def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.Monkey
     assert {i.valid_step for i in info} == {1, 2}
 
 
-def _restored(prefetch: bool, poison: bool = False) -> dict[str, torch.Tensor]:
-    """Model and optimizer state after restore(), optionally prefetched, and with the
-    prefetched copies overwritten (to see whether restore used them)."""
-    if prefetch:
-        hook.prefetch_restore()
-        assert hook._prefetch is not None
-        thread, result = hook._prefetch
-        thread.join()
-        assert result["private"], "nothing prefetched"
-        if poison:
-            for copy in result["private"].values():
-                copy.fill_(7) if copy.is_floating_point() else None
-    model, opt = _model()
-    ckpt = hook.Checkpointer(model=model, optimizer=opt)
-    assert ckpt.restore() == 2
-    assert hook._prefetch is None
-    state = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for index, values in enumerate(opt.state.values()):
-        state.update({f"opt.{index}.{k}": v.clone() for k, v in values.items()})
-    ckpt.close()
-    return state
-
-
-def test_restore_uses_the_prefetched_copies(supervisor: SlotServer,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    _save_two_steps()
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "1")
-    plain, prefetched = _restored(prefetch=False), _restored(prefetch=True)
-    assert plain.keys() == prefetched.keys()
-    assert all(torch.equal(plain[k], prefetched[k]) for k in plain)
-    poisoned = _restored(prefetch=True, poison=True)
-    assert torch.equal(poisoned["opt.0.exp_avg"], torch.full_like(plain["opt.0.exp_avg"], 7))
-    assert torch.equal(poisoned["model.0.weight"], plain["model.0.weight"])  # read in place
-
-
-def test_prefetch_of_a_corrupt_slot_leaves_the_error_to_restore(
-        supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    _save_two_steps()
-    newest = next(s for s in memory.iter_slots(supervisor.owner.prefix) if s.valid_step == 1)
-    segment = memory.attach_segment(newest.name)
-    segment.view[memory.HEADER_SIZE + 5] ^= 0x01
-    segment.close()
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "1")
-    hook.prefetch_restore()
-    model, opt = _model()
-    with pytest.raises(CheckpointError, match="checksum mismatch"):
-        hook.Checkpointer(model=model, optimizer=opt).restore()
-    assert hook._prefetch is None
-
-
 def test_flipped_byte_falls_back_to_older_slot(supervisor: SlotServer) -> None:
     _save_two_steps()
     owner = supervisor.owner
