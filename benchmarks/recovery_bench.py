@@ -67,11 +67,15 @@ def main() -> None:
     rows = []
     for text in args.sizes.split(","):
         nbytes = parse_size(text)
-        medians: dict[str, dict[str, float]] = {}
-        for mode, cold, label in variants:
-            runs = [one_run(mode, nbytes, cold) for _ in range(args.repeat)]
-            medians[label] = {k: statistics.median(r[k] for r in runs) for k in PHASES}
-            print(f"measured {text} {label}", file=sys.stderr, flush=True)
+        runs: dict[str, list[dict[str, float]]] = {label: [] for _, _, label in variants}
+        for _ in range(args.repeat):
+            for mode, cold, label in variants:  # interleaved: drift hits every variant alike
+                runs[label].append(one_run(mode, nbytes, cold))
+        medians = {label: {k: statistics.median(r[k] for r in found) for k in PHASES}
+                   for label, found in runs.items()}
+        print(f"measured {text}; gemini's totals: "
+              + ", ".join(f"{r['total']:.2f} s" for r in runs["gemini (memory)"]),
+              file=sys.stderr, flush=True)
         ours = medians["gemini (memory)"]["total"]
         for label, m in medians.items():
             rows.append([mib(nbytes), label, *(f"{m[k]:.2f} s" for k in PHASES),
