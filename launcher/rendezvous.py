@@ -159,8 +159,10 @@ def register() -> None:
 
 
 def _caller_name(depth: int = 2) -> str:
-    frame = sys._getframe(depth)
-    return frame.f_code.co_name
+    try:
+        return sys._getframe(depth).f_code.co_name
+    except ValueError:  # a shallower stack, as torch's version answers it
+        return "no_method_name"
 
 
 def speed_up_rendezvous(*, single_node: bool) -> None:

@@ -22,6 +22,7 @@ def test_stable_slots() -> None:
 
 def test_fast_event_names_match_torchs() -> None:
     slow = dynamic_rendezvous.get_method_name
+    assert slow.__module__ == dynamic_rendezvous.__name__, "already replaced in this process"
 
     def record(name_of: Any) -> str:
         return str(name_of())
@@ -30,6 +31,7 @@ def test_fast_event_names_match_torchs() -> None:
         return record(name_of)
 
     assert some_method(_caller_name) == some_method(slow) == "some_method"
+    assert _caller_name(10_000) == slow(10_000) == "no_method_name"
 
 
 def test_single_node_skips_only_the_random_start_skew() -> None:
