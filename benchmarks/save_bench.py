@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, median_time, mib, table  # noqa: E402
+from common import machine, median_time, mib, table, timer  # noqa: E402
 
 from launcher import hook, memory  # noqa: E402
 from launcher.slots import SlotOwner, SlotServer  # noqa: E402
@@ -56,34 +57,36 @@ def bench_size(nbytes: int, repeat: int) -> list[object]:
     model = make_model(nbytes)
     ckpt = hook.Checkpointer(model=model)
     ckpt.restore()
+    segment = memory.create_segment(f"gemini-bench-{os.getpid()}", nbytes)
     step = iter(range(10**9))
-
-    def stall() -> None:
-        ckpt.save(next(step))
-
-    def commit() -> None:
+    for _ in range(2):  # the first save allocates and pre-faults both slots
         ckpt.save(next(step))
         ckpt.wait()
-
-    commit()  # first save: allocates and pre-faults both slots
-    commit()
-    t_commit = median_time(commit, repeat=repeat, warmup=0)
-    stalls = []
+    raw_copy(model, segment)
+    # Rounds of stall, commit and memcpy, interleaved: this VM's memory bandwidth drifts
+    # by 10-20% over a run, and each figure's median then sees the same drift.
+    stalls, commits, copies = [], [], []
     for _ in range(repeat):
-        stalls.append(median_time(stall, repeat=1, warmup=0))
+        with timer() as stall:
+            ckpt.save(next(step))
         ckpt.wait()
-    t_stall = sorted(stalls)[len(stalls) // 2]
+        stalls.append(stall())
+        with timer() as commit:
+            ckpt.save(next(step))
+            ckpt.wait()
+        commits.append(commit())
+        with timer() as copy:
+            raw_copy(model, segment)
+        copies.append(copy())
     ckpt.close()
+    segment.close()
+    memory.unlink_segment(segment.name)
+    t_stall, t_commit, t_memcpy = map(statistics.median, (stalls, commits, copies))
 
     path = Path(memory.SHM_DIR) / f"gemini-bench-{os.getpid()}.pt"
     state = model.state_dict()
     t_torch = median_time(lambda: torch.save(state, path), repeat=max(1, repeat // 2))
     path.unlink()
-
-    segment = memory.create_segment(f"gemini-bench-{os.getpid()}", nbytes)
-    t_memcpy = median_time(lambda: raw_copy(model, segment), repeat=repeat)
-    segment.close()
-    memory.unlink_segment(segment.name)
     gbps = lambda t: f"{nbytes / t / 1e9:.2f} GB/s"  # noqa: E731
     return [mib(nbytes), f"{t_stall * 1e3:.2f} ms", f"{t_commit * 1e3:.1f} ms ({gbps(t_commit)})",
             f"{t_torch * 1e3:.0f} ms ({gbps(t_torch)})", f"{t_memcpy * 1e3:.1f} ms ({gbps(t_memcpy)})",
