@@ -462,13 +462,35 @@ class Checkpointer:
                 first = i
         if small_at:
             groups.append((first, len(small_at), small_end))
+        # Each group is copied by one torch.cat of byte views of its tensors (and zero
+        # padding up to the next tensor's offset) into the group's bytes in the slot: one
+        # call instead of a copy dispatch per tensor (about 40 us for the example's 116
+        # tensors, against 500 us). The byte views are made by the copy, when a tensor's
+        # address differs from the one its view was made for.
+        small_sizes = [n for n, f in zip(sizes, small, strict=True) if f]
+        parts: list[list[torch.Tensor]] = []
+        where: list[tuple[int, int]] = []
+        zeros = torch.zeros(memory.ALIGN, dtype=torch.uint8)
+        for g, (lo, hi, end) in enumerate(groups):
+            group: list[torch.Tensor] = []
+            for i in range(lo, hi):
+                where.append((g, len(group)))
+                group.append(zeros[:0])
+                pad = (small_at[i + 1] if i + 1 < hi else end) - small_at[i] - small_sizes[i]
+                if pad:
+                    group.append(zeros[:pad])
+            parts.append(group)
         layout = _Layout(
             signature=signature, segment=segment, data_len=offset, offsets=offsets,
             nbytes=sizes, small=small, records=[],
             dsts=[torch.frombuffer(buf, dtype=t.dtype, count=t.numel(),
                                    offset=memory.HEADER_SIZE + o).view(t.shape)
                   for o, (_, t), f in zip(offsets, tensors, small, strict=True) if f],
-            block=(min(small_at, default=0), small_end), groups=groups)
+            block=(min(small_at, default=0), small_end), groups=groups,
+            blocks=[torch.frombuffer(buf, dtype=torch.uint8, count=end - small_at[lo],
+                                     offset=memory.HEADER_SIZE + small_at[lo])
+                    for lo, _, end in groups],
+            parts=parts, where=where, ptrs=[-1] * len(small_at))
         for (path, tensor), start, is_small in zip(tensors, offsets, small, strict=True):
             record = json.dumps({"path": path, "dtype": str(tensor.dtype).split(".")[-1],
                                  "shape": list(tensor.shape), "offset": start,
@@ -499,6 +521,10 @@ class _Layout:
     dsts: list[torch.Tensor]  # the small tensors' places in the slot, shaped like them
     block: tuple[int, int]  # byte range of the slot's data covering every small tensor
     groups: list[tuple[int, int, int]]  # batches of ``dsts`` copied and hashed together
+    blocks: list[torch.Tensor]  # each group's bytes in the slot
+    parts: list[list[torch.Tensor]]  # each group's torch.cat inputs: byte views and padding
+    where: list[tuple[int, int]]  # each small tensor's (group, index in its parts)
+    ptrs: list[int]  # each small tensor's address when its byte view was made (-1: none)
 
 
 class _Worker:
@@ -525,17 +551,26 @@ class _Worker:
         """Copy every tensor to its place in the slot; return the checksum of the block of
         small tensors and the checksums of the large ones.
 
-        Small CPU tensors are copied in batches by ``torch._foreach_copy_`` and share one
-        checksum; large ones go through ``copy_and_hash``.
+        Small CPU tensors are copied in batches (see ``Checkpointer._layout_for``) and
+        share one checksum; large ones go through ``copy_and_hash``.
         """
         srcs = [t for t, small in zip(tensors, layout.small, strict=True) if small]
+        ptrs = list(map(torch.Tensor.data_ptr, srcs))
+        if ptrs != layout.ptrs:
+            _refresh_byte_views(layout, srcs, ptrs)
+        # A byte view covers its tensor's bytes while the tensor is contiguous and at the
+        # same address (the view keeps its storage alive: no other tensor can move there).
+        whole = all(map(torch.Tensor.is_contiguous, srcs)) and ptrs == layout.ptrs
         hasher = xxhash.xxh3_64()
         done = memory.HEADER_SIZE + layout.block[0]
         view = memoryview(buf)
         try:
             with torch.no_grad():
-                for first, last, end in layout.groups:
-                    torch._foreach_copy_(layout.dsts[first:last], srcs[first:last])
+                for group, (first, last, end) in enumerate(layout.groups):
+                    if whole:
+                        torch.cat(layout.parts[group], out=layout.blocks[group])
+                    else:
+                        torch._foreach_copy_(layout.dsts[first:last], srcs[first:last])
                     hasher.update(view[done:memory.HEADER_SIZE + end])
                     done = memory.HEADER_SIZE + end
         finally:
@@ -546,6 +581,17 @@ class _Worker:
                        tensors, layout.offsets, layout.nbytes, layout.small, strict=True)
                    if not small]
         return block, digests
+
+
+def _refresh_byte_views(layout: _Layout, srcs: list[torch.Tensor], ptrs: list[int]) -> None:
+    """Remake the byte views of the small tensors that moved since their view was made."""
+    for i, (src, ptr) in enumerate(zip(srcs, ptrs, strict=True)):
+        if ptr != layout.ptrs[i]:
+            group, index = layout.where[i]
+            contiguous = src.is_contiguous()
+            layout.parts[group][index] = (src.detach().reshape(-1).view(torch.uint8)
+                                          if contiguous else layout.parts[group][index][:0])
+            layout.ptrs[i] = ptr if contiguous else -1
 
 
 def copy_and_hash(buf: Any, start: int, tensor: torch.Tensor, nbytes: int) -> int:

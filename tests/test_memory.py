@@ -251,6 +251,39 @@ def test_adoption_and_clean_of_dead_owner(run_id: str) -> None:
     assert memory.list_segments(prefix) == []
 
 
+def test_saves_follow_tensors_that_move(supervisor: SlotServer) -> None:
+    """Small tensors are copied through byte views cached per slot; a tensor that moves,
+    is rewritten in place, changes its strides under the same address, or is not
+    contiguous must still be saved as it is at that save."""
+    model = torch.nn.Linear(4, 4)  # square: its transpose has the same shape and address
+    extra = {"t": torch.arange(6.0).reshape(2, 3)}
+    weight = model.weight
+
+    def transpose() -> None:
+        weight.data = weight.data.t()
+
+    def replace() -> None:
+        weight.data = torch.randn(4, 4)
+
+    changes = [lambda: None, lambda: weight.data.mul_(2), transpose, lambda: None, replace,
+               lambda: extra.update(t=torch.arange(6.0).reshape(3, 2).t()),  # not contiguous
+               lambda: extra.update(t=torch.arange(6.0).reshape(2, 3) + 1), transpose]
+    ckpt = hook.Checkpointer(model=model, extra=extra)
+    ckpt.restore()
+    for step, change in enumerate(changes):
+        change()
+        ckpt.save(step)
+        ckpt.wait()
+        info = next(i for i in memory.iter_slots(supervisor.owner.prefix) if i.valid_step == step)
+        segment = memory.attach_segment(info.name)
+        assert info.meta is not None
+        state = hook.load_state(segment.view, info.meta)
+        segment.close()
+        assert torch.equal(state["model"]["weight"], weight), step
+        assert torch.equal(state["extra"]["t"], extra["t"]), step
+    ckpt.close()
+
+
 def test_large_tensors_are_copied_and_hashed_in_chunks(supervisor: SlotServer,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     big = torch.nn.Linear(1100, 1100)  # 4.6 MiB of weights: copied and hashed chunk by chunk
