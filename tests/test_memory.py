@@ -98,6 +98,26 @@ def test_python_rng_state_follows_use() -> None:
     assert random.random() == drawn
 
 
+def test_numpy_rng_state_is_kept_once_numpy_random_is_loaded() -> None:
+    """torch imports numpy but not numpy.random; numpy's global RNG is captured from the
+    moment something loads it, and restored exactly."""
+    code = """
+import sys
+from launcher import hook
+assert "numpy.random" not in sys.modules, "numpy.random loaded at start"
+assert "numpy" not in hook._rng_state()
+import numpy
+numpy.random.seed(7)
+numpy.random.rand(3)
+state = hook._rng_state()
+drawn = numpy.random.rand(2)
+assert not (numpy.random.rand(2) == drawn).all()
+hook._set_rng_state(state)
+assert (numpy.random.rand(2) == drawn).all()
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_string_subclass_keys_are_strings() -> None:
     class Key(str):
         pass
