@@ -10,7 +10,7 @@ model and a larger one:
     reports the median step with and without a save; this prints the median over
     --repeat runs of each run's ratio, which cancels the noise between runs.
 
-    python benchmarks/overhead_bench.py --repeat 3 --steps 60
+    python benchmarks/overhead_bench.py --repeat 5 --steps 200
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def same_run_ratio(extra: list[str], steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     rows = []
     for name, extra in MODELS.items():
