@@ -69,9 +69,6 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--standby/--no-standby",), "standby",
      "Keep a standby interpreter per worker with torch imported, for fast restarts.  "
      "[default: standby]"),
-    (("--huge-pages/--no-huge-pages",), "huge_pages",
-     "Workers allocate large CPU tensors in transparent huge pages "
-     "(THP_MEM_ALLOC_ENABLE=1): faster restores of big states.  [default: no-huge-pages]"),
     (("--replicas",), "replicas",
      "Copies of each host's checkpoint in CPU memory, its own included; 1 turns "
      "replication to peer hosts off.  [default: 2]"),

@@ -371,8 +371,6 @@ def launch(config: RunConfig, command: Command, *,
     if launch_config.max_nodes > 1:
         print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
     events.add_sink(coordination.record_event)
-    if config.huge_pages:  # before any worker or standby starts: torch reads it once
-        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     if config.standby:
         services.append(StandbyService(launch_config.nproc_per_node))
     services += extra_services

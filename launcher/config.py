@@ -114,10 +114,6 @@ class RunConfig:
     """Seconds without a heartbeat after which a host counts as lost."""
     standby: bool = dataclasses.field(default=True, metadata={"gemini": True})
     """Keep one interpreter per local rank with torch imported, so a restart skips start-up."""
-    huge_pages: bool = dataclasses.field(default=False, metadata={"gemini": True})
-    """Start workers with ``THP_MEM_ALLOC_ENABLE=1``: PyTorch's CPU allocator then backs
-    tensors of 2 MiB and more with transparent huge pages, whose first touch is far
-    cheaper (a restarted worker's restore and first step; see the README)."""
     replicas: int = dataclasses.field(default=2, metadata={"gemini": True})
     """Copies of each host's checkpoint kept in CPU memory, its own included (1: no
     replication to peer hosts)."""

@@ -48,18 +48,6 @@ def test_worker_environment_equals_torchrun(tmp_path: Path, flags: list[str],
             assert got[key] == expected[key], key
 
 
-@pytest.mark.parametrize("standby", ["1", "0"])
-def test_huge_pages_reach_every_worker(tmp_path: Path, standby: str) -> None:
-    """--huge-pages sets THP_MEM_ALLOC_ENABLE=1 for the workers, standbys included (torch
-    reads it at its first allocation, so it must be there when a standby starts)."""
-    envs = _worker_envs(GEMINI, ["run", "--nproc-per-node", "2", "--huge-pages"],
-                        tmp_path / "on", tmp_path, GEMINI_STANDBY=standby)
-    assert len(envs) == 2 and all(e.get("THP_MEM_ALLOC_ENABLE") == "1" for e in envs.values())
-    envs = _worker_envs(GEMINI, ["run", "--nproc-per-node", "1"], tmp_path / "off", tmp_path,
-                        GEMINI_STANDBY=standby)
-    assert "THP_MEM_ALLOC_ENABLE" not in envs[0]
-
-
 def test_crash_once_is_restarted_and_succeeds(tmp_path: Path) -> None:
     done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "2",
                 str(SCRIPTS / "crash_ddp.py"), "1", "1"], env=env_with(tmp_path))
