@@ -95,10 +95,13 @@ def _events(run_root: Path) -> list[dict[str, object]]:
 
 # -- 2. training slowdown -------------------------------------------------------------------
 
-def step_ms(mode: list[str], steps: int, device_time: float = 0.0) -> tuple[float, float]:
-    """Median step time of rank 0 with two one-worker hosts on a c10d rendezvous, and the
+def step_ms(mode: list[str], steps: int, device_time: float = 0.0
+            ) -> tuple[float, float, float]:
+    """Median step time of rank 0 with two one-worker hosts on a c10d rendezvous, the
     share of the steps due for replication that reached the peer (pushes coalesce to the
-    newest step when replication falls behind)."""
+    newest step when replication falls behind), and the longest time rank 0's loop was
+    blocked in gemini's calls in one step (``save()`` and the wait for a copy before the
+    optimizer step; the example's ``max_stall_ms``)."""
     with tempfile.TemporaryDirectory() as tmp, _shm() as shm:
         port = _free_port()
         env = dict(os.environ, GEMINI_RUN_ROOT=f"{tmp}/runs", PYTHONWARNINGS="ignore")
@@ -115,12 +118,14 @@ def step_ms(mode: list[str], steps: int, device_time: float = 0.0) -> tuple[floa
             host.wait(timeout=900)
         text = "\n".join(h.output() for h in hosts)
         match = re.search(r"median_step_ms=([\d.]+)", text)
-        if not match:
+        stall = re.search(r"max_stall_ms=([\d.]+)", text)
+        if not match or not stall:
             raise RuntimeError(text[-3000:])
         pushes = sum(int(e.get("pushes", 0)) for e in _events(Path(tmp, "runs"))  # type: ignore[call-overload]
                      if e["event"] == "replication_done")
         every = int(mode[mode.index("--replicate-every") + 1]) if "--replicate-every" in mode else 1
-        return float(match.group(1)), pushes / (len(hosts) * (steps // every))
+        return (float(match.group(1)), pushes / (len(hosts) * (steps // every)),
+                float(stall.group(1)))
 
 
 def _shm() -> tempfile.TemporaryDirectory[str]:
@@ -227,12 +232,14 @@ def main() -> None:
         times: dict[tuple[str, str], list[float]] = {
             (name, setting): [] for setting in settings for name in modes}
         shares: dict[tuple[str, str], list[float]] = {key: [] for key in times}
+        stalls: dict[tuple[str, str], list[float]] = {key: [] for key in times}
         for _ in range(args.repeat):
             for setting, device_time in settings.items():
                 for name, mode in modes.items():  # interleaved: drift hits every mode alike
-                    ms, share = step_ms(mode, args.steps, device_time)
+                    ms, share, stall = step_ms(mode, args.steps, device_time)
                     times[name, setting].append(ms)
                     shares[name, setting].append(share)
+                    stalls[name, setting].append(stall)
         rows = []
         for name in modes:
             row: list[object] = [name]
@@ -241,14 +248,17 @@ def main() -> None:
                 ours = statistics.median(times[name, setting])
                 share = statistics.median(shares[name, setting])
                 row += [f"{ours:.1f} ms", f"{100 * (ours / base - 1):+.1f}%",
-                        f"{100 * share:.0f}%" if "--replicas 2" in " ".join(modes[name]) else "-"]
+                        f"{100 * share:.0f}%" if "--replicas 2" in " ".join(modes[name]) else "-",
+                        f"{max(stalls[name, setting]):.1f} ms"]
             rows.append(row)
         header = ["replication"]
         for setting in settings:
-            header += [f"step, {setting}", "vs off", "steps replicated"]
+            header += [f"step, {setting}", "vs off", "steps replicated", "longest stall"]
         out += [f"2. training step while replicating (example GPT, {' '.join(MODEL)}; 2 hosts x "
                 f"1 worker; CPU-bound: both cores train; device time: each step also waits "
-                f"{DEVICE_TIME} s with the CPU free, as for a GPU)", "", table(header, rows), ""]
+                f"{DEVICE_TIME} s with the CPU free, as for a GPU; longest stall: the most "
+                f"rank 0's loop was blocked in gemini's calls in one step, over all runs)", "",
+                table(header, rows), ""]
         flush()
 
     if "3" not in skip:

@@ -252,9 +252,11 @@ def main() -> None:
               flush=True)
     loss = float("nan")
     step_times = []
+    stalls = []  # per step: seconds the loop spent blocked in gemini's save() and waits
     by_saving: dict[bool, list[float]] = {True: [], False: []}
     for step in range(start, args.steps):
         began = time.perf_counter()
+        stalled = ckpt.stalled
         inputs, targets = get_batch(data, args.seed, step, rank, args.batch_size, args.seq_len)
         rank_loss = train_step(ddp_model, optimizer, scheduler, inputs.to(device), targets.to(device))
         loss = mean_across_ranks(rank_loss, world_size)
@@ -267,6 +269,7 @@ def main() -> None:
         if saving:
             ckpt.save(step)  # returns at once; the copy finishes in the background
         step_times.append(time.perf_counter() - began)
+        stalls.append(ckpt.stalled - stalled)
         by_saving[saving].append(step_times[-1])
         if args.sleep > 0:
             time.sleep(args.sleep)
@@ -274,6 +277,9 @@ def main() -> None:
     if rank == 0:
         print(f"done steps={args.steps} final_loss={loss:.4f} "
               f"median_step_ms={median_ms(step_times):.2f}", flush=True)
+        if stalls and not args.no_checkpoint:
+            print(f"checkpoint stall per step: median_stall_ms={median_ms(stalls):.3f} "
+                  f"max_stall_ms={1e3 * max(stalls):.3f}", flush=True)
         if args.alternate_saves > 0:
             print(f"median_saving_ms={median_ms(by_saving[True]):.3f} "
                   f"median_plain_ms={median_ms(by_saving[False]):.3f}", flush=True)

@@ -34,6 +34,7 @@ import random
 import socket
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -190,6 +191,9 @@ class Checkpointer:
         self._stream: Any = None
         self._layouts: list[_Layout | None] = [None, None]
         self._closed = False
+        self.stalled = 0.0
+        """Seconds the training loop has spent blocked in ``save()`` and in waits for a
+        copy (``wait()``, the optimizer pre-step hook): what checkpointing stalls it."""
         if not self.active:
             _warn_inactive()
             return
@@ -203,7 +207,7 @@ class Checkpointer:
         """Load the step the supervisor chose; return the first step to run (0 if none)."""
         if not self.active:
             return 0
-        self.wait()
+        self._wait()
         step = int(os.environ.get(ENV_RESTORE_STEP, "-1"))
         self._attach_existing()
         if step < 0 and all(segment is None for segment in self._segments):
@@ -234,7 +238,14 @@ class Checkpointer:
 
     def save(self, step: int) -> None:
         """Snapshot the state as of the end of ``step``; returns before the copy is done."""
-        self.wait()
+        began = time.perf_counter()
+        try:
+            self._save(step)
+        finally:
+            self.stalled += time.perf_counter() - began
+
+    def _save(self, step: int) -> None:
+        self._wait()
         if not self.active or self._closed:
             return
         tensors: list[tuple[str, torch.Tensor]] = []
@@ -253,6 +264,13 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the last ``save`` is committed; re-raise its error, if any."""
+        began = time.perf_counter()
+        try:
+            self._wait()
+        finally:
+            self.stalled += time.perf_counter() - began
+
+    def _wait(self) -> None:
         pending = self._pending
         if pending is not None:
             pending.wait()
@@ -267,7 +285,7 @@ class Checkpointer:
         if self._closed:
             return
         try:
-            self.wait()
+            self._wait()
         finally:
             self._closed = True
             # Let the model (a DDP wrapper, say) go when the script lets it go: a DDP that

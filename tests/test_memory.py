@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 
@@ -162,6 +163,23 @@ def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.Monkey
     ckpt2.close()
     info = [memory.inspect_slot(n) for n in memory.list_segments(supervisor.owner.prefix + "r")]
     assert {i.valid_step for i in info} == {1, 2}
+
+
+def test_stall_counts_the_loops_time_in_save_and_waits(supervisor: SlotServer) -> None:
+    model, opt = _model()
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+    assert ckpt.stalled == 0.0
+    _train(model, opt)
+    ckpt.save(0)
+    assert ckpt.stalled > 0
+    ckpt.wait()
+    before = ckpt.stalled
+    ckpt._pending = threading.Event()  # a copy that ends in 0.2 s: the pre-step hook waits
+    threading.Timer(0.2, ckpt._pending.set).start()
+    _train(model, opt)
+    assert ckpt.stalled - before >= 0.1
+    ckpt.close()
 
 
 def test_flipped_byte_falls_back_to_older_slot(supervisor: SlotServer) -> None:
