@@ -191,9 +191,9 @@ class Checkpointer:
         self._stream: Any = None
         self._layouts: list[_Layout | None] = [None, None]
         self._closed = False
+        # Seconds the training loop has spent blocked in save() and in waits for a copy
+        # (wait(), the optimizer pre-step hook): how long checkpointing has stalled it.
         self.stalled = 0.0
-        """Seconds the training loop has spent blocked in ``save()`` and in waits for a
-        copy (``wait()``, the optimizer pre-step hook): what checkpointing stalls it."""
         if not self.active:
             _warn_inactive()
             return
