@@ -580,8 +580,9 @@ class _Worker:
         if ptrs != layout.ptrs:
             _refresh_byte_views(layout, srcs, ptrs)
         # A byte view covers its tensor's bytes while the tensor is contiguous and at the
-        # same address (the view keeps its storage alive: no other tensor can move there).
-        whole = all(map(torch.Tensor.is_contiguous, srcs)) and ptrs == layout.ptrs
+        # address it was made for (the view keeps that storage alive: no other tensor can
+        # move there); a tensor that is not contiguous has no view.
+        whole = all(map(torch.Tensor.is_contiguous, srcs))
         hasher = xxhash.xxh3_64()
         done = memory.HEADER_SIZE + layout.block[0]
         view = memoryview(buf)
