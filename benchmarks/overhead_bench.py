@@ -9,6 +9,9 @@ model and a larger one:
   * same run: each run saves in every other block of 10 steps (--alternate-saves 10) and
     reports the median step with and without a save; this prints the median over
     --repeat runs of each run's ratio, which cancels the noise between runs.
+The variants take turns in every round. The last one copies the default model's state on
+the background thread (GEMINI_SAVE_INLINE_BYTES=0), as a state over 4 MiB is, instead of
+within save().
 
     python benchmarks/overhead_bench.py --repeat 5 --steps 200
 """
@@ -29,31 +32,36 @@ sys.path.insert(0, str(HERE))
 from common import machine, table  # noqa: E402
 
 EXAMPLE = str(HERE.parent / "examples" / "train_gpt.py")
-MODELS = {
-    "default (0.1 M params, 1.3 MB state)": [],
-    "larger (3.2 M params, 38 MB state)": ["--n-embd", "256", "--n-layer", "4", "--n-head", "8"],
+LARGER = ["--n-embd", "256", "--n-layer", "4", "--n-head", "8"]
+# name -> (example arguments, environment); a state under 4 MiB is copied within save(),
+# the third row copies it on the background thread instead, as a larger state is.
+MODELS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "default (0.1 M params, 1.3 MB state)": ([], {}),
+    "larger (3.2 M params, 38 MB state)": (LARGER, {}),
+    "default, copied on the thread": ([], {"GEMINI_SAVE_INLINE_BYTES": "0"}),
 }
 
 
-def run_example(args: list[str]) -> str:
+def run_example(args: list[str], extra_env: dict[str, str]) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "gemini_cli", "run", "--standalone", "--nproc-per-node", "2",
                "--no-standby", EXAMPLE, *args]
-        env = dict(os.environ, GEMINI_RUN_ROOT=tmp, PYTHONWARNINGS="ignore")
+        env = dict(os.environ, GEMINI_RUN_ROOT=tmp, PYTHONWARNINGS="ignore", **extra_env)
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
         if done.returncode != 0 or "median_step_ms=" not in done.stdout:
             raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])
         return done.stdout
 
 
-def step_ms(extra: list[str], steps: int, checkpoint: bool) -> float:
-    out = run_example(["--steps", str(steps), *extra, *([] if checkpoint else ["--no-checkpoint"])])
+def step_ms(extra: list[str], env: dict[str, str], steps: int, checkpoint: bool) -> float:
+    out = run_example(["--steps", str(steps), *extra, *([] if checkpoint else ["--no-checkpoint"])],
+                      env)
     return float(re.findall(r"median_step_ms=([\d.]+)", out)[-1])
 
 
-def same_run_ratio(extra: list[str], steps: int) -> float:
+def same_run_ratio(extra: list[str], env: dict[str, str], steps: int) -> float:
     """Median step with a save / without, from one run saving in every other 10 steps."""
-    out = run_example(["--steps", str(steps), "--alternate-saves", "10", *extra])
+    out = run_example(["--steps", str(steps), "--alternate-saves", "10", *extra], env)
     saving, plain = re.findall(r"median_saving_ms=([\d.]+) median_plain_ms=([\d.]+)", out)[-1]
     return float(saving) / float(plain)
 
@@ -63,17 +71,20 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
+    found: dict[str, tuple[list[float], list[float], list[float]]] = {
+        name: ([], [], []) for name in MODELS}
+    for round_ in range(args.repeat):  # interleaved: drift hits every variant alike
+        for name, (extra, env) in MODELS.items():
+            without, with_save, ratios = found[name]
+            without.append(step_ms(extra, env, args.steps, checkpoint=False))
+            with_save.append(step_ms(extra, env, args.steps, checkpoint=True))
+            ratios.append(same_run_ratio(extra, env, args.steps))
+        print(f"round {round_ + 1} of {args.repeat} measured", file=sys.stderr, flush=True)
     rows = []
-    for name, extra in MODELS.items():
-        with_save, without, ratios = [], [], []
-        for _ in range(args.repeat):
-            without.append(step_ms(extra, args.steps, checkpoint=False))
-            with_save.append(step_ms(extra, args.steps, checkpoint=True))
-            ratios.append(same_run_ratio(extra, args.steps))
+    for name, (without, with_save, ratios) in found.items():
         base, ours = statistics.median(without), statistics.median(with_save)
         rows.append([name, f"{base:.2f} ms", f"{ours:.2f} ms", f"{100 * (ours / base - 1):+.1f}%",
                      f"{100 * (statistics.median(ratios) - 1):+.1f}%"])
-        print(f"measured {name}", file=sys.stderr, flush=True)
     print(f"machine: {machine()}")
     print(f"2 workers (gloo, CPU); medians over {args.repeat} runs of each run's median step "
           f"time ({args.steps} steps)\n")

@@ -67,22 +67,26 @@ def _resumes(stdout: str) -> dict[int, set[int]]:
     return found
 
 
-@pytest.mark.parametrize("kills,expected", [
+# This small state is copied within save(); "thread" copies it on the background thread,
+# as a state over hook.INLINE_BYTES is.
+@pytest.mark.parametrize("kills,expected,copy", [
     # rank 1 dies inside the copy of step 4: step 3 is the newest complete step
-    (["1:4:copy"], {0: {0}, 1: {4}}),
+    (["1:4:copy"], {0: {0}, 1: {4}}, "inline"),
+    (["1:4:copy"], {0: {0}, 1: {4}}, "thread"),
     # rank 0 dies between steps, after step 6 is committed everywhere
-    (["0:6:step"], {0: {0}, 1: {7}}),
+    (["0:6:step"], {0: {0}, 1: {7}}, "inline"),
     # several failures in one run, different ranks, both kinds
-    (["1:2:copy", "0:5:step:1", "1:9:copy:2"], {0: {0}, 1: {2}, 2: {6}, 3: {9}}),
+    (["1:2:copy", "0:5:step:1", "1:9:copy:2"], {0: {0}, 1: {2}, 2: {6}, 3: {9}}, "thread"),
     # a flipped bit in rank 1's newest snapshot (step 7): fall back to step 6
-    (["1:7:flip"], {0: {0}, 1: {7}}),
+    (["1:7:flip"], {0: {0}, 1: {7}}, "inline"),
 ])
 def test_kill_resumes_bitwise(tmp_path: Path, reference: dict, kills: list[str],
-                              expected: dict[int, set[int]]) -> None:
+                              expected: dict[int, set[int]], copy: str) -> None:
     args = [arg for k in kills for arg in ("--kill", k)]
+    env = env_with(tmp_path, **({"GEMINI_SAVE_INLINE_BYTES": "0"} if copy == "thread" else {}))
     done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "3", TRAIN,
                 "--steps", "12", "--out", str(tmp_path / "out.pt"), *args],
-               env=env_with(tmp_path), timeout=240)
+               env=env, timeout=240)
     assert done.returncode == 0, done.output[-4000:]
     assert _resumes(done.stdout) == expected
     _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)

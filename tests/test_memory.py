@@ -133,7 +133,11 @@ def test_unsupported_value_is_a_clear_error() -> None:
         hook._flatten({"extra": {"x": {1, 2}}}, "", [])
 
 
-def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("copy", ["inline", "thread"])
+def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch,
+                              copy: str) -> None:
+    if copy == "thread":
+        monkeypatch.setenv(hook.ENV_INLINE_BYTES, "0")
     model, opt = _model()
     extra = {"count": 3, "sched": torch.optim.lr_scheduler.StepLR(opt, 2)}
     ckpt = hook.Checkpointer(model=model, optimizer=opt, extra=extra)
@@ -163,6 +167,29 @@ def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.Monkey
     ckpt2.close()
     info = [memory.inspect_slot(n) for n in memory.list_segments(supervisor.owner.prefix + "r")]
     assert {i.valid_step for i in info} == {1, 2}
+
+
+def test_small_cpu_state_is_committed_when_save_returns(supervisor: SlotServer,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _model()
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+    ckpt.save(0)  # the state's size is not known before the first copy: on the thread
+    assert ckpt._pending is not None
+    for step in (1, 2):
+        _train(model, opt)
+        ckpt.save(step)
+        assert ckpt._pending is None
+        assert {i.valid_step for i in memory.iter_slots(supervisor.owner.prefix)} == {
+            step - 1, step}
+    ckpt.close()
+    monkeypatch.setenv(hook.ENV_INLINE_BYTES, "0")
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+    for step in (3, 4):
+        ckpt.save(step)
+        assert ckpt._pending is not None
+    ckpt.close()
 
 
 def test_stall_counts_the_loops_time_in_save_and_waits(supervisor: SlotServer) -> None:

@@ -2,7 +2,7 @@
 
 Fault injection for tests (deterministic, only on the attempt given):
   --kill RANK:STEP:WHEN[:ATTEMPT]   SIGKILL rank RANK at step STEP, WHEN is
-      "copy"  inside the background snapshot copy of STEP: bytes written, not committed
+      "copy"  inside the snapshot copy of STEP: bytes written, not committed
       "step"  between steps, after the snapshot of STEP is committed
       "flip"  like "step", but first flip one bit of that committed snapshot in memory
 Prints "resume rank=R start=S attempt=A" and, on rank 0, "step S loss L".
