@@ -196,6 +196,8 @@ class Checkpointer:
         self._conn: socket.socket | None = None
         self._stream: Any = None
         self._layouts: list[_Layout | None] = [None, None]
+        # id(segment) -> its address registered with CUDA as pinned memory (0: failed)
+        self._pinned: dict[int, int] = {}
         self._closed = False
         # Seconds the training loop has spent blocked in save() and in waits for a copy
         # (wait(), the optimizer pre-step hook): how long checkpointing has stalled it.
@@ -310,6 +312,7 @@ class Checkpointer:
             self._layouts = [None, None]  # their tensors view the mappings
             for segment in self._segments:
                 if segment is not None:
+                    self._unpin(segment)
                     segment.close()
             if self._conn is not None:
                 self._conn.close()
@@ -418,6 +421,7 @@ class Checkpointer:
                     os.stat(old.path).st_size != old.size
                 ):
                     if old is not None:
+                        self._unpin(old)
                         old.close()
                     self._segments[i] = memory.attach_segment(name)
             segment = self._segments[index]
@@ -427,6 +431,26 @@ class Checkpointer:
                                    f"need {nbytes}")
         return segment
 
+    def _pin(self, segment: memory.Segment) -> None:
+        """Register ``segment`` with CUDA as pinned (page-locked) memory, once, so that
+        copies from the GPU into it run asynchronously (DMA) at full speed; without it a
+        device-to-host copy is staged and synchronous."""
+        if id(segment) in self._pinned:
+            return
+        address = torch.frombuffer(segment.view, dtype=torch.uint8).data_ptr()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        error = int(cudart.cudaHostRegister(address, segment.size, 0))
+        if error:
+            logger.warning("gemini: cannot pin slot %s for CUDA (error %d); copies from the "
+                           "GPU will be synchronous", segment.name, error)
+            address = 0
+        self._pinned[id(segment)] = address
+
+    def _unpin(self, segment: memory.Segment) -> None:
+        address = self._pinned.pop(id(segment), 0)
+        if address:
+            torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+
     # -- the copy (on the background thread, or within save() for a small state) -----------
     def _before_optimizer_step(self, *_: Any) -> None:
         self.wait()
@@ -434,20 +458,20 @@ class Checkpointer:
     def _copy(self, step: int, skeleton: Any, tensors: list[tuple[str, torch.Tensor]],
               event: Any) -> None:
         try:
-            if event is not None:
-                event.synchronize()
-            self._write(step, skeleton, tensors)
+            self._write(step, skeleton, tensors, event)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
 
-    def _write(self, step: int, skeleton: Any, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    def _write(self, step: int, skeleton: Any, tensors: list[tuple[str, torch.Tensor]],
+               ready: Any) -> None:
         index = 0 if self._newest is None else 1 - self._newest
         layout = self._layout_for(index, tensors, skeleton)
         self._state_bytes = layout.data_len
         buf = layout.segment.view
         memory.set_state(buf, memory.SlotState.WRITING)
         assert self._worker is not None
-        block_digest, digests = self._worker.copy_all(buf, layout, [t for _, t in tensors])
+        block_digest, digests = self._worker.copy_all(buf, layout, [t for _, t in tensors],
+                                                      ready)
         big = iter(digests)
         records = ",".join(record if isinstance(record, str)
                            else record[0] + f'"{next(big):016x}"' + record[1]
@@ -485,6 +509,8 @@ class Checkpointer:
                     offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
         meta_estimate = len(json.dumps(skeleton)) + sum(len(p) + 200 for p, _ in tensors)
         segment = self._slot_for(index, memory.slot_size(offset, meta_estimate))
+        if any(t.is_cuda for _, t in tensors):
+            self._pin(segment)
         buf = segment.view
         small_at = [o for o, is_small in zip(offsets, small, strict=True) if is_small]
         small_end = max((o + n for o, n, f in zip(offsets, sizes, small, strict=True) if f),
@@ -570,6 +596,7 @@ class _Worker:
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = (
             queue.SimpleQueue())
+        self._streams: dict[torch.device, Any] = {}  # a side stream per CUDA device
         threading.Thread(target=self._run, name="gemini-save", daemon=True).start()
 
     def submit(self, job: Callable[[], None], done: threading.Event) -> None:
@@ -583,14 +610,19 @@ class _Worker:
             finally:
                 done.set()
 
-    def copy_all(self, buf: Any, layout: _Layout,
-                 tensors: list[torch.Tensor]) -> tuple[int, list[int]]:
+    def copy_all(self, buf: Any, layout: _Layout, tensors: list[torch.Tensor],
+                 ready: Any = None) -> tuple[int, list[int]]:
         """Copy every tensor to its place in the slot; return the checksum of the block of
         small tensors and the checksums of the large ones.
 
         Small CPU tensors are copied in batches (see ``Checkpointer._layout_for``) and
-        share one checksum; large ones go through ``copy_and_hash``.
+        share one checksum; other large CPU tensors go through ``copy_and_hash``. CUDA
+        tensors are copied by the GPU on a side stream, once the training stream reaches
+        ``ready`` (the event save() recorded), into the pinned slot, while this thread
+        copies the CPU tensors; they are hashed when that stream is done.
         """
+        # save() records ``ready`` exactly when the state has CUDA tensors
+        on_gpu = self._start_gpu_copies(buf, layout, tensors, ready) if ready is not None else []
         srcs = [t for t, small in zip(tensors, layout.small, strict=True) if small]
         ptrs = list(map(torch.Tensor.data_ptr, srcs))
         if ptrs != layout.ptrs:
@@ -614,11 +646,50 @@ class _Worker:
         finally:
             view.release()
         block = hasher.intdigest()
-        digests = [copy_and_hash(buf, memory.HEADER_SIZE + start, tensor, nbytes)
+        digests = [-1 if tensor.is_cuda else copy_and_hash(buf, memory.HEADER_SIZE + start,
+                                                           tensor, nbytes)
                    for tensor, start, nbytes, small in zip(
                        tensors, layout.offsets, layout.nbytes, layout.small, strict=True)
                    if not small]
+        if on_gpu:
+            for done in on_gpu:
+                done.synchronize()
+            view = memoryview(buf)
+            try:
+                big = (i for i, small in enumerate(layout.small) if not small)
+                for k, i in enumerate(big):
+                    if digests[k] == -1:
+                        start = memory.HEADER_SIZE + layout.offsets[i]
+                        digests[k] = memory.checksum(view[start:start + layout.nbytes[i]])
+            finally:
+                view.release()
         return block, digests
+
+    def _start_gpu_copies(self, buf: Any, layout: _Layout, tensors: list[torch.Tensor],
+                          ready: Any) -> list[Any]:
+        """Queue the copies of the CUDA tensors into the slot on a side stream per device,
+        after ``ready``; return an event per device that marks their end."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, tensor in enumerate(tensors):
+            if tensor.is_cuda:
+                by_device.setdefault(tensor.device, []).append(i)
+        done = []
+        for device, indices in by_device.items():
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                self._streams[device] = stream
+            with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
+                stream.wait_event(ready)
+                for i in indices:
+                    tensor, nbytes = tensors[i], layout.nbytes[i]
+                    if nbytes:
+                        dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes,
+                                               offset=memory.HEADER_SIZE + layout.offsets[i])
+                        dst.view(tensor.dtype).view(tensor.shape).copy_(tensor,
+                                                                        non_blocking=True)
+                done.append(stream.record_event())
+        return done
 
 
 def _refresh_byte_views(layout: _Layout, srcs: list[torch.Tensor], ptrs: list[int]) -> None:

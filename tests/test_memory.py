@@ -192,6 +192,37 @@ def test_small_cpu_state_is_committed_when_save_returns(supervisor: SlotServer,
     ckpt.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_state_is_copied_into_pinned_slots_and_restored(
+        supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512)).cuda()
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    model, opt = build()
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+    for step in range(3):
+        model(torch.randn(8, 512, device="cuda")).square().mean().backward()
+        opt.step()  # waits for the copy of the step before: parameters change here
+        opt.zero_grad()
+        ckpt.save(step)
+    ckpt.wait()
+    assert len(ckpt._pinned) == 2 and all(ckpt._pinned.values())  # both slots pinned
+    expected = {k: v.cpu() for k, v in model.state_dict().items()}
+    ckpt.close()
+    assert ckpt._pinned == {}
+
+    model2, opt2 = build()
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "2")
+    ckpt2 = hook.Checkpointer(model=model2, optimizer=opt2)
+    assert ckpt2.restore() == 3
+    for key, value in model2.state_dict().items():
+        assert value.is_cuda and torch.equal(value.cpu(), expected[key]), key
+    ckpt2.close()
+
+
 def test_stall_counts_the_loops_time_in_save_and_waits(supervisor: SlotServer) -> None:
     model, opt = _model()
     ckpt = hook.Checkpointer(model=model, optimizer=opt)

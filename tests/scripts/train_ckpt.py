@@ -69,9 +69,9 @@ copy_kill_steps = {k_step for k_rank, k_step, when, k_attempt in kills
 if copy_kill_steps:
     real_copy = hook._Worker.copy_all
 
-    def copy_then_die(self, buf, layout, tensors):
+    def copy_then_die(self, buf, layout, tensors, *rest):
         # the tensor bytes are written, the slot is WRITING: die before the commit
-        result = real_copy(self, buf, layout, tensors)
+        result = real_copy(self, buf, layout, tensors, *rest)
         assert memory.read_header(buf).state is memory.SlotState.WRITING
         os.kill(os.getpid(), signal.SIGKILL)
         return result
