@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -235,9 +236,13 @@ class SlotOwner:
 
     def _too_small(self, nbytes: int, free: int) -> str:
         total = 2 * nbytes * self.local_world_size
+        held = sum(_size(memory.SHM_DIR / name)
+                   for names in find_leftovers().values() for name in names)
+        leftovers = (f" ({held} more are held by the segments of dead runs: `gemini clean` "
+                     f"frees them)" if held else "")
         return (f"{memory.SHM_DIR} is too small for in-memory checkpoints: need {total} bytes "
                 f"(2 slots x {nbytes} bytes x {self.local_world_size} local ranks), "
-                f"{free} bytes available; enlarge it (e.g. docker run --shm-size) "
+                f"{free} bytes available{leftovers}; enlarge it (e.g. docker run --shm-size) "
                 f"or use fewer workers per host")
 
     @staticmethod
@@ -513,6 +518,13 @@ class MemoryService:
             self.replication.close()
         self.server.close()
         self.owner.close()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # removed meanwhile
+        return 0
 
 
 def find_leftovers() -> dict[str, list[str]]:

@@ -342,6 +342,13 @@ def test_adoption_and_clean_of_dead_owner(run_id: str) -> None:
     assert second.returncode != 0 and "already has a live supervisor" in second.stderr
     owner._slots.clear()  # forget without unlinking, then die like a killed supervisor
     os.unlink(memory.SHM_DIR / (prefix + "owner"))
+    held = sum((memory.SHM_DIR / n).stat().st_size for n in left if not n.endswith("owner"))
+    other = SlotOwner(run_id=run_id + "-next", host_id="h0", local_world_size=1)
+    huge = memory.shm_free_bytes() + (1 << 30)
+    with pytest.raises(StorageError, match=rf"available \({held} more are held by the "
+                                           r"segments of dead runs: `gemini clean`"):
+        other.check_capacity(0, huge)
+    other.close()
     removed = clean()
     assert sorted(removed[prefix]) == sorted(n for n in left if not n.endswith("owner"))
     assert memory.list_segments(prefix) == []
