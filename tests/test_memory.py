@@ -86,17 +86,21 @@ def test_tree_roundtrip_keeps_types() -> None:
     assert [path for path, _ in tensors] == ["/t", "/model/w", "/model/sub/b"]
 
 
-def test_python_rng_state_follows_use() -> None:
-    """The Python RNG's state is reused between saves only while nobody draws from it."""
+def test_rng_states_are_captured_into_the_same_tensors() -> None:
+    """With a Checkpointer's ``kept`` tensors every capture reuses them (so they keep their
+    place in the batched copy), and each capture holds the state of its moment."""
     import random
 
-    first = hook._rng_state()["python"][1]
-    assert hook._rng_state()["python"][1] is first
-    drawn = random.random()
-    second = hook._rng_state()
-    assert not torch.equal(second["python"][1], first)
-    hook._set_rng_state({**second, "python": [second["python"][0], first, None]})
-    assert random.random() == drawn
+    kept: dict[str, torch.Tensor] = {}
+    first = hook._rng_state(kept)
+    python, generator = first["python"][1].clone(), first["torch"].clone()
+    drawn, sampled = random.random(), torch.rand(3)
+    second = hook._rng_state(kept)
+    assert second["python"][1] is first["python"][1] and second["torch"] is first["torch"]
+    assert not torch.equal(second["python"][1], python)
+    assert not torch.equal(second["torch"], generator)
+    hook._set_rng_state({"python": [first["python"][0], python, None], "torch": generator})
+    assert random.random() == drawn and torch.equal(torch.rand(3), sampled)
 
 
 def test_numpy_rng_state_is_kept_once_numpy_random_is_loaded() -> None:
