@@ -255,7 +255,8 @@ class Checkpointer:
         return step + 1
 
     def save(self, step: int) -> None:
-        """Snapshot the state as of the end of ``step``; returns before the copy is done."""
+        """Snapshot the state as of the end of ``step``; returns before the copy is done
+        (except for a small CPU state, which is copied, and committed, right here)."""
         began = time.perf_counter()
         try:
             self._save(step)
