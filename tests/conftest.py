@@ -4,3 +4,23 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+from launcher import memory  # noqa: E402
+from launcher.slots import find_leftovers  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _remove_dead_runs_segments() -> Iterator[None]:
+    """Tests that kill a supervisor, as a host loss does, leave its shared memory behind
+    on purpose (a restarted supervisor would adopt it): remove what such a test left,
+    only of runs whose supervisor is dead, so the suite leaves /dev/shm as it found it."""
+    before = set(memory.list_segments())
+    yield
+    for names in find_leftovers().values():
+        for name in names:
+            if name not in before:
+                memory.unlink_segment(name)
