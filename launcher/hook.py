@@ -210,7 +210,10 @@ class Checkpointer:
         self.stalled = 0.0
         # States up to this many bytes (of tensor data, all on the CPU) are copied within
         # save() instead of on the background thread; the size is known from the first save.
-        self._inline_bytes = int(os.environ.get(ENV_INLINE_BYTES, str(INLINE_BYTES)))
+        inline = os.environ.get(ENV_INLINE_BYTES, str(INLINE_BYTES))
+        if not inline.strip().isdigit():
+            raise CheckpointError(f"{ENV_INLINE_BYTES} must be a number of bytes, not {inline!r}")
+        self._inline_bytes = int(inline)
         self._state_bytes = sys.maxsize
         if not self.active:
             _warn_inactive()

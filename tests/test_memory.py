@@ -195,6 +195,9 @@ def test_small_cpu_state_is_committed_when_save_returns(supervisor: SlotServer,
         ckpt.save(step)
         assert ckpt._pending is not None
     ckpt.close()
+    monkeypatch.setenv(hook.ENV_INLINE_BYTES, "4M")
+    with pytest.raises(CheckpointError, match="GEMINI_SAVE_INLINE_BYTES must be a number"):
+        hook.Checkpointer(model=model, optimizer=opt)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
