@@ -267,7 +267,7 @@ def main() -> None:
         saving = not args.no_checkpoint and (
             args.alternate_saves <= 0 or (step // args.alternate_saves) % 2 == 0)
         if saving:
-            ckpt.save(step)  # returns at once; the copy finishes in the background
+            ckpt.save(step)  # a large state finishes copying in the background
         step_times.append(time.perf_counter() - began)
         stalls.append(ckpt.stalled - stalled)
         by_saving[saving].append(step_times[-1])

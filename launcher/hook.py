@@ -4,7 +4,7 @@
     start = ckpt.restore()          # 0 on a fresh start, else the step to resume at
     for step in range(start, total):
         ...train one step...
-        ckpt.save(step)             # returns at once; the copy finishes in the background
+        ckpt.save(step)             # a large state finishes copying in the background
 
 ``save`` captures references to the state (model and optimizer tensors are copied later,
 in a background thread, into a shared-memory slot that the supervisor owns); the
@@ -125,9 +125,9 @@ def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
     return {k: _unflatten(v, tensors) for k, v in node.items()}
 
 
-def _rng_state(kept: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """The RNG states of this process. With ``kept`` (a Checkpointer's), each state goes
-    into the same tensor at every call, which keeps its place, and its byte view, in the
+def _rng_state(kept: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The RNG states of this process. Each state goes into the same tensor of ``kept``
+    (a Checkpointer's) at every call, which keeps its place, and its byte view, in the
     batched copy of small tensors instead of moving at every save."""
     version, internal, gauss = random.getstate()
     words = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
@@ -145,9 +145,7 @@ def _rng_state(kept: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     return state
 
 
-def _keep(kept: dict[str, torch.Tensor] | None, name: str, tensor: torch.Tensor) -> torch.Tensor:
-    if kept is None:
-        return tensor
+def _keep(kept: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
     mine = kept.get(name)
     if mine is None or mine.shape != tensor.shape or mine.dtype != tensor.dtype:
         mine = kept[name] = tensor.clone()
@@ -272,9 +270,8 @@ class Checkpointer:
             return
         tensors: list[tuple[str, torch.Tensor]] = []
         skeleton = _flatten(self._capture(), "", tensors)
-        cuda = [t for _, t in tensors if t.is_cuda]
         event = None
-        if cuda:
+        if any(t.is_cuda for _, t in tensors):
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
         if self._worker is None:
@@ -659,23 +656,19 @@ class _Worker:
         finally:
             view.release()
         block = hasher.intdigest()
-        digests = [-1 if tensor.is_cuda else copy_and_hash(buf, memory.HEADER_SIZE + start,
-                                                           tensor, nbytes)
-                   for tensor, start, nbytes, small in zip(
-                       tensors, layout.offsets, layout.nbytes, layout.small, strict=True)
-                   if not small]
-        if on_gpu:
+        big = [(tensor, memory.HEADER_SIZE + start, nbytes)
+               for tensor, start, nbytes, small in zip(
+                   tensors, layout.offsets, layout.nbytes, layout.small, strict=True)
+               if not small]
+        digests = [-1 if tensor.is_cuda else copy_and_hash(buf, start, tensor, nbytes)
+                   for tensor, start, nbytes in big]
+        if on_gpu:  # the GPU's copies: hash them once they have landed
             for done in on_gpu:
                 done.synchronize()
-            view = memoryview(buf)
-            try:
-                big = (i for i, small in enumerate(layout.small) if not small)
-                for k, i in enumerate(big):
-                    if digests[k] == -1:
-                        start = memory.HEADER_SIZE + layout.offsets[i]
-                        digests[k] = memory.checksum(view[start:start + layout.nbytes[i]])
-            finally:
-                view.release()
+            with memoryview(buf) as view:
+                digests = [memory.checksum(view[start:start + nbytes]) if tensor.is_cuda
+                           else digest for (tensor, start, nbytes), digest in zip(
+                               big, digests, strict=True)]
         return block, digests
 
     def _start_gpu_copies(self, buf: Any, layout: _Layout, tensors: list[torch.Tensor],

@@ -1,16 +1,15 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
+from launcher import memory
+from launcher.slots import find_leftovers
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from collections.abc import Iterator  # noqa: E402
-
-import pytest  # noqa: E402
-
-from launcher import memory  # noqa: E402
-from launcher.slots import find_leftovers  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

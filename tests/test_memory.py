@@ -111,11 +111,11 @@ def test_numpy_rng_state_is_kept_once_numpy_random_is_loaded() -> None:
 import sys
 from launcher import hook
 assert "numpy.random" not in sys.modules, "numpy.random loaded at start"
-assert "numpy" not in hook._rng_state()
+assert "numpy" not in hook._rng_state({})
 import numpy
 numpy.random.seed(7)
 numpy.random.rand(3)
-state = hook._rng_state()
+state = hook._rng_state({})
 drawn = numpy.random.rand(2)
 assert not (numpy.random.rand(2) == drawn).all()
 hook._set_rng_state(state)
