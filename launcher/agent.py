@@ -205,6 +205,8 @@ def _define_agent(base: type) -> type:
                 service.before_start(worker_group, self._round_store)
             self._reported_failure = False
             pids = super()._start_workers(worker_group)
+            for worker in worker_group.workers:  # as torch does right after this returns
+                worker.id = pids.get(worker.local_rank)
             for service in self._services:
                 service.after_start(worker_group)
             self._events.write(

@@ -502,7 +502,8 @@ class MemoryService:
         self.persist.load(rank, step, lambda n: self.owner.write_target(rank, n, replica=False))
 
     def after_start(self, group: WorkerGroup) -> None:
-        pass
+        if self.replication is not None:
+            self.replication.watch_workers(int(w.id) for w in group.workers if w.id is not None)
 
     def after_stop(self, group: WorkerGroup) -> None:
         pass

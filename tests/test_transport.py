@@ -295,7 +295,7 @@ def test_corrupted_data_in_flight_fails_the_checksum(net: Net,
     assert client.push(fill(net.a, 0, 1, random_data(100_000, 8))) == 1
 
     def corrupting(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
-                   max_rate: float | None = None) -> None:
+                   pace: Callable[[int], None] | None = None) -> None:
         data = bytearray(os.pread(fd, count, offset))
         data[count // 3] ^= 0x10
         sock.settimeout(timeout)
@@ -402,8 +402,8 @@ def test_slot_changing_during_push_is_aborted(net: Net, monkeypatch: pytest.Monk
     original = transport._send_file
 
     def racing_writer(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
-                      max_rate: float | None = None) -> None:
-        original(sock, fd, offset, count, timeout, max_rate=max_rate)
+                      pace: Callable[[int], None] | None = None) -> None:
+        original(sock, fd, offset, count, timeout, pace=pace)
         # a new save lands in the slot while (here: right after) it is being sent
         memory.set_state(source.view, memory.SlotState.WRITING)
         source.view[memory.HEADER_SIZE] ^= 0xFF
@@ -432,8 +432,8 @@ def test_pull_of_a_changing_or_corrupt_slot_commits_nothing(
         original = transport._send_file
 
         def rewritten(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
-                      max_rate: float | None = None) -> None:
-            original(sock, fd, offset, count, timeout, max_rate=max_rate)
+                      pace: Callable[[int], None] | None = None) -> None:
+            original(sock, fd, offset, count, timeout, pace=pace)
             memory.set_state(held.view, memory.SlotState.WRITING)  # a new push lands there
             memory.write_commit(held.view, step=1, seq=next(_seq), rank=0, world_size=WORLD,
                                 run_id=net.run_id, data_len=100_000,
@@ -445,7 +445,7 @@ def test_pull_of_a_changing_or_corrupt_slot_commits_nothing(
         assert c.holdings([0], WORLD) == {0: []}
 
         def corrupting(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
-                       max_rate: float | None = None) -> None:
+                       pace: Callable[[int], None] | None = None) -> None:
             data = bytearray(os.pread(fd, count, offset))
             data[-1] ^= 0x01
             sock.settimeout(timeout)
@@ -470,14 +470,22 @@ def test_port_probe_is_not_reported(net: Net) -> None:
     assert net.rejects == []
 
 
-def test_push_respects_max_rate(net: Net) -> None:
+def test_push_calls_pace_before_each_chunk(net: Net, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(transport, "SEND_CHUNK", 100_000)
     server = net.server()
     source = fill(net.a, 0, 1, random_data(400_000, 15))
+    calls: list[int] = []
+
+    def pace(sent: int) -> None:
+        calls.append(sent)
+        time.sleep(0.05)
+
     start = time.monotonic()
-    assert net.client(server).push(source, max_rate=2_000_000) == 1
-    assert time.monotonic() - start >= 0.19  # 400 kB at 2 MB/s
-    with pytest.raises(ReplicationError, match="max_rate"):
-        net.client(server).push(source, max_rate=0)
+    assert net.client(server).push(source, pace=pace) == 1
+    assert time.monotonic() - start >= 0.2  # four chunks, each after a 50 ms wait
+    assert calls[0] == 0 and calls == sorted(calls) and calls[-1] < 400_000
+    assert {0, 100_000, 200_000, 300_000} <= set(calls)
+    assert net.replica_steps() == [1]
 
 
 def test_stalled_peers_do_not_block_others(net: Net) -> None:

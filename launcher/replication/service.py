@@ -14,11 +14,15 @@ step: replication coalesces instead of queueing.
 Pacing (the paper's traffic interleaving, adapted): the paper fits checkpoint traffic
 into the gaps of training's own network traffic. Here the contended resources are the
 CPU and memory bandwidth that the copies, the kernel's TCP work and the checksums take,
-so with pacing the sender spreads each snapshot over most of an iteration, at
-``bytes / (0.8 * iteration time)`` (measured from the commits themselves), and both the
-sending and the receiving threads run at a low CPU priority (nice 10: a tenth of a
-training thread's share under contention; nice 19 starved them on a busy host), so
-replication falls behind (coalescing to the newest step) before it slows training down.
+so with pacing each step's replication (the local copy, then the pushes) goes out in
+chunks, each only while this host's workers leave the CPU idle
+(:class:`~launcher.priority.IdleGate`: waiting for a GPU, for data, for peers). If they
+never do within an iteration of the commit (training that keeps every core busy), the
+rest is spread over most of an iteration instead, at ``bytes / (0.8 * iteration time)``
+(measured from the commits themselves). Both the sending and the receiving threads run
+at a low CPU priority (nice 10: a tenth of a training thread's share under contention;
+nice 19 starved them on a busy host), so replication falls behind (coalescing to the
+newest step) before it slows training down much.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from launcher import memory
 from launcher.errors import ConfigError, GeminiError, ReplicationError, StoreError
 from launcher.events import EventLog
-from launcher.priority import lower_priority
+from launcher.priority import IDLE_WINDOW, IdleGate, lower_priority
 from launcher.replication import placement, transport
 from launcher.slots import SlotOwner
 from launcher.store import Store
@@ -43,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 PACED_NICE = 10  # with pacing, training threads get ~10x the CPU share of replication's
 PACE_SHARE = 0.8  # fraction of an iteration over which one snapshot is spread
+# Chunks wait for idle workers during this many iterations after a commit, at most
+# MAX_GATE seconds (a receiver gives up on a push that stalls for 30 s).
+GATE_SHARE, MAX_GATE = 1.0, 5.0
 MIN_RATE = 64 << 20  # bytes/s: pacing never drops below this
 # Seconds between two looks at the slot headers when there is nothing to send: a twentieth
 # of the shortest iteration, within these bounds (a look costs 50-150 us of CPU with its
@@ -106,6 +113,7 @@ class ReplicationService:
         self._failures: dict[tuple[str, int], float] = {}  # holder -> time of last failure
         # rank -> (step, this host's own copy of it, which pushes go out from)
         self._kept: dict[int, tuple[int, memory.Segment]] = {}
+        self._gate = IdleGate() if pace and IdleGate.available() else None
         self.pushes = 0  # completed pushes (a step of a rank to one holder)
         self._running = threading.Event()
         self._stop = threading.Event()
@@ -134,6 +142,11 @@ class ReplicationService:
                           holders=[f"{h}:{p}" for h, p in self._holders])
         self._running.set()
 
+    def watch_workers(self, pids: Iterable[int]) -> None:
+        """The processes of this round's local workers, whose idle times pacing uses."""
+        if self._gate is not None:
+            self._gate.watch(pids)
+
     def pull(self, address: tuple[str, int], rank: int, step: int) -> memory.SlotHeader:
         """Fetch ``rank``'s committed ``step`` from the peer at ``address`` into one of
         this host's own slots of that rank (verified and committed there)."""
@@ -150,7 +163,13 @@ class ReplicationService:
         while not self._stop.is_set():
             if not self._running.wait(0.1):
                 continue
-            if not self._send_once():
+            try:
+                sent = self._send_once()
+            except Exception:  # a bug: say so, and keep replicating what can be
+                logger.exception("replication: unexpected error (retrying in a second)")
+                self._stop.wait(1.0)
+                continue
+            if not sent:
                 self._stop.wait(self._poll_interval())
 
     def _send_once(self) -> bool:
@@ -167,22 +186,22 @@ class ReplicationService:
             if due is None:
                 continue
             segment, header = due
+            pacer = self._pacer(rank, header.data_len * len(own) * len(holders))
             kept = self._kept.get(rank)
             if kept is None or kept[0] < header.step:
-                kept = self._keep_own_copy(segment, header)
+                kept = self._keep_own_copy(segment, header, pacer)
                 if kept is None:
                     continue  # the worker is rewriting that slot: wait for its next commit
-            rate = self._rate(rank, header.data_len * len(own) * len(holders))
             for holder in holders:
                 if self._pushed.get((holder, rank), -1) >= kept[0] or not self._running.is_set():
                     continue
                 if time.monotonic() - self._failures.get(holder, -1e9) < 1.0:
                     continue  # back off from a failing peer
-                sent |= self._push(holder, rank, kept[1], rate)
+                sent |= self._push(holder, rank, kept[1], pacer)
         return sent
 
-    def _keep_own_copy(self, segment: memory.Segment, header: memory.SlotHeader
-                       ) -> tuple[int, memory.Segment] | None:
+    def _keep_own_copy(self, segment: memory.Segment, header: memory.SlotHeader,
+                       pacer: _Pacer | None) -> tuple[int, memory.Segment] | None:
         """Copy the step about to be replicated into this host's replica slots of its own
         rank, and return (step, the copy); pushes go out from the copy.
 
@@ -200,6 +219,8 @@ class ReplicationService:
             verifier = memory.stream_verifier(target.view, header, meta)
             with memoryview(segment.view) as src, memoryview(target.view) as dst:
                 for low in range(0, header.data_len, memory.COPY_CHUNK):
+                    if pacer is not None:
+                        pacer.wait_idle()
                     high = min(low + memory.COPY_CHUNK, header.data_len)
                     dst[memory.HEADER_SIZE + low:memory.HEADER_SIZE + high] = (
                         src[memory.HEADER_SIZE + low:memory.HEADER_SIZE + high])
@@ -251,21 +272,25 @@ class ReplicationService:
         shortest = min(self._interval.values(), default=0.2)
         return min(MAX_POLL, max(MIN_POLL, POLL_SHARE * shortest))
 
-    def _rate(self, rank: int, per_iteration: int) -> float | None:
-        """The paced sending rate when ``per_iteration`` bytes go out every iteration."""
+    def _pacer(self, rank: int, per_iteration: int) -> _Pacer | None:
+        """How the replication of ``rank``'s newest commit is paced when ``per_iteration``
+        bytes go out every iteration; None: unpaced (no pacing, or no iteration time yet)."""
         interval = self._interval.get(rank)
         if not self.pace or interval is None or interval <= 0:
             return None
-        return max(MIN_RATE, per_iteration / (PACE_SHARE * interval))
+        rate = max(MIN_RATE, per_iteration / (PACE_SHARE * interval))
+        committed = self._commits[rank][1]
+        return _Pacer(self._gate, rate, committed + min(GATE_SHARE * interval, MAX_GATE),
+                      self._stop)
 
     def _push(self, holder: tuple[str, int], rank: int, segment: memory.Segment,
-              rate: float | None) -> bool:
+              pacer: _Pacer | None) -> bool:
         try:
             client = self._clients.get(holder)
             if client is None:
                 client = self._clients[holder] = transport.Client(
                     holder, secret=self._secret, run_id=self.run_id)
-            step = client.push(segment, max_rate=rate)
+            step = client.push(segment, pace=pacer)
         except ReplicationError as exc:
             first = holder not in self._failures
             self._failures[holder] = time.monotonic()
@@ -298,3 +323,42 @@ class ReplicationService:
                 client.close()
             self._clients.clear()
         self.server.close()
+
+
+class _Pacer:
+    """When the chunks of one step's replication may go: each while the workers are idle,
+    until ``until`` (monotonic time); after that, or without a gate, at ``rate`` bytes/s."""
+
+    def __init__(self, gate: IdleGate | None, rate: float, until: float,
+                 stop: threading.Event) -> None:
+        self._gate = gate
+        self._rate = rate
+        self._until = until
+        self._stop = stop
+        self._paced: tuple[float, int] | None = None  # (time, bytes sent) when rating began
+        self._pushed = 0  # bytes of the earlier pushes (to other holders) of this step
+        self._last = 0  # ``sent`` at the last call
+
+    def wait_idle(self) -> bool:
+        """Wait for idle workers; False once past ``until`` (then at once), or without a
+        gate."""
+        gate = self._gate
+        while gate is not None and not gate.idle():
+            if time.monotonic() >= self._until or self._stop.wait(IDLE_WINDOW):
+                self._gate = gate = None
+        return gate is not None
+
+    def __call__(self, sent: int) -> None:
+        """Before each chunk of a push, ``sent`` bytes into it: wait as pacing says."""
+        if sent < self._last:  # the push to the next holder
+            self._pushed += self._last
+        self._last = sent
+        total = self._pushed + sent
+        if self.wait_idle():
+            return
+        if self._paced is None:
+            self._paced = (time.monotonic(), total)
+        began, base = self._paced
+        ahead = (total - base) / self._rate - (time.monotonic() - began)
+        if ahead > 0.002:
+            time.sleep(ahead)

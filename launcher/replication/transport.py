@@ -406,17 +406,18 @@ def _recv_data(sock: socket.socket, view: memoryview, timeout: float,
 
 
 def _send_file(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
-               max_rate: float | None = None) -> None:
-    """Send ``count`` bytes of file ``fd`` from ``offset`` with ``os.sendfile``; with
-    ``max_rate`` sleep as needed to keep the average at most ``max_rate`` bytes/s."""
+               pace: Callable[[int], None] | None = None) -> None:
+    """Send ``count`` bytes of file ``fd`` from ``offset`` with ``os.sendfile``, calling
+    ``pace`` (which may wait) with the bytes sent so far before each chunk."""
     sent = 0
-    start = time.monotonic()
     try:
         sock.settimeout(timeout)  # the descriptor is non-blocking from here on
         out = sock.fileno()
         poller = select.poll()
         poller.register(out, select.POLLOUT)
         while sent < count:
+            if pace is not None:
+                pace(sent)
             try:
                 k = os.sendfile(out, fd, offset + sent, min(count - sent, SEND_CHUNK))
             except BlockingIOError:
@@ -427,10 +428,6 @@ def _send_file(sock: socket.socket, fd: int, offset: int, count: int, timeout: f
             if k == 0:
                 raise ReplicationError(f"slot file ended after {sent} of {count} data bytes")
             sent += k
-            if max_rate is not None:
-                ahead = sent / max_rate - (time.monotonic() - start)
-                if ahead > 0.002:
-                    time.sleep(ahead)
     except OSError as exc:
         raise _Broken(f"connection lost after {sent} of {count} data bytes: {exc}") from None
 
@@ -875,14 +872,13 @@ class Client:
                     raise
             raise AssertionError("unreachable")
 
-    def push(self, segment: memory.Segment, *, max_rate: float | None = None) -> int | None:
+    def push(self, segment: memory.Segment, *,
+             pace: Callable[[int], None] | None = None) -> int | None:
         """Send the committed step ``segment`` holds to the peer, which verifies and
         commits it in a replica slot; return that step. Return None without sending when
         the slot holds no committed step, and None after sending when the slot changed
-        meanwhile (the peer discards it). ``max_rate`` caps the average data rate
-        (bytes/s)."""
-        if max_rate is not None and not max_rate > 0:
-            raise ReplicationError(f"max_rate must be positive, not {max_rate}")
+        meanwhile (the peer discards it). ``pace`` is called before each chunk of the
+        data with the bytes sent so far, and may wait (see ``replication.service``)."""
         source = _SourceFile(segment)
         try:
             snapshot = source.snapshot()
@@ -893,18 +889,18 @@ class Client:
                 raise ReplicationError(f"slot {segment.name} belongs to run {header.run_id!r}")
             if len(meta) > MAX_META or header.data_len > MAX_DATA:
                 raise ReplicationError(f"slot {segment.name} is too large to send")
-            result: int | None = self._call(lambda ch: self._push(ch, source, header, meta, max_rate))
+            result: int | None = self._call(lambda ch: self._push(ch, source, header, meta, pace))
             return result
         finally:
             source.close()
 
     def _push(self, channel: _Channel, source: _SourceFile, header: memory.SlotHeader,
-              meta: bytes, max_rate: float | None) -> int | None:
+              meta: bytes, pace: Callable[[int], None] | None) -> int | None:
         channel.send({"op": "put", **_slot_message(header, self.run_id)}, meta)
         if parse_reply(channel.recv()[0]).get("have") is True:
             return header.step
         _send_file(channel.sock, source.fd, memory.HEADER_SIZE, header.data_len, self.timeout,
-                   max_rate=max_rate)
+                   pace=pace)
         stable = source.unchanged(header)
         channel.send({"op": "end", "stable": stable})
         reply = parse_reply(channel.recv()[0])

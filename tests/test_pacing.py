@@ -1,0 +1,104 @@
+"""Replication pacing: the idle gate reads real processes' CPU time; the pacer waits for
+idle workers and falls back to a rate when they never idle."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from launcher.priority import IDLE_WINDOW, IdleGate
+from launcher.replication.service import _Pacer
+
+BUSY = "import time\nend = time.time() + {busy}\nwhile time.time() < end: pass\ntime.sleep(60)"
+
+
+Spawn = Callable[[float], "subprocess.Popen[bytes]"]
+
+
+@pytest.fixture
+def spawn() -> Iterator[Spawn]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(busy: float) -> subprocess.Popen[bytes]:
+        """A process that keeps a core busy for ``busy`` seconds, then sleeps."""
+        proc = subprocess.Popen([sys.executable, "-c", BUSY.format(busy=busy)])
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def answers(gate: IdleGate, seconds: float) -> list[bool]:
+    found = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        found.append(gate.idle())
+        time.sleep(IDLE_WINDOW / 2)
+    return found
+
+
+def test_idle_gate_tells_busy_processes_from_idle_ones(spawn: Spawn) -> None:
+    assert IdleGate.available()
+    busy, sleeper = spawn(60), spawn(0)
+    time.sleep(0.5)  # both interpreters started
+    gate = IdleGate()
+    gate.watch([busy.pid, sleeper.pid])
+    assert not any(answers(gate, 0.3))
+    gate.watch([sleeper.pid])
+    seen = answers(gate, 0.3)
+    assert not seen[0]  # a fresh window first
+    assert all(seen[len(seen) // 2:])
+    busy.kill()
+    busy.wait()
+    gate.watch([busy.pid])  # gone: nothing to protect
+    assert answers(gate, 0.1)[-1]
+    gate.watch([])
+    assert gate.idle()
+
+
+def test_pacer_sends_once_the_workers_idle(spawn: Spawn) -> None:
+    worker = spawn(0.4)
+    time.sleep(0.3)
+    gate = IdleGate()
+    gate.watch([worker.pid])
+    began = time.monotonic()
+    pacer = _Pacer(gate, rate=1e3, until=began + 10, stop=threading.Event())
+    assert pacer.wait_idle()
+    waited = time.monotonic() - began
+    assert 0.1 < waited < 5
+    began = time.monotonic()
+    for sent in range(0, 10_000_000, 1_000_000):  # idle: no rate applies (1 kB/s here)
+        pacer(sent)
+    assert time.monotonic() - began < 1
+
+
+def test_pacer_falls_back_to_the_rate_when_workers_never_idle(spawn: Spawn) -> None:
+    worker = spawn(60)
+    time.sleep(0.3)
+    gate = IdleGate()
+    gate.watch([worker.pid])
+    began = time.monotonic()
+    pacer = _Pacer(gate, rate=1e6, until=began + 0.3, stop=threading.Event())
+    pacer(0)
+    assert 0.29 < time.monotonic() - began < 2
+    began = time.monotonic()
+    for sent in (100_000, 200_000, 300_000, 0, 100_000):  # the last two: a second holder
+        pacer(sent)
+    assert 0.35 < time.monotonic() - began < 2  # 400 kB at 1 MB/s
+    assert not pacer.wait_idle()  # past its time: no more waiting for idle workers
+
+
+def test_pacer_without_a_gate_paces_at_the_rate() -> None:
+    pacer = _Pacer(None, rate=1e6, until=time.monotonic() + 60, stop=threading.Event())
+    began = time.monotonic()
+    for sent in (0, 100_000, 200_000):
+        pacer(sent)
+    assert 0.19 < time.monotonic() - began < 2
