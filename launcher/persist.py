@@ -38,7 +38,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ import xxhash
 
 from launcher import memory
 from launcher.errors import CheckpointError, StorageError, UsageError
-from launcher.priority import lower_priority
+from launcher.priority import IdleGate, lower_priority
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,9 @@ SCHEMA = "gemini.persist/v1"
 SLOT_SUFFIX = ".gslot"
 MANIFEST_SUFFIX = ".json"
 COPY_CHUNK = 8 << 20  # bytes per write() while copying a slot to its file
+# Seconds a file's copy waits, chunk by chunk, for the workers to leave the CPU idle
+# (launcher.priority.IdleGate) before it goes on regardless.
+GATE_WAIT = 1.0
 WRITER_NICE = 10  # the writer thread yields the CPU to training
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
@@ -451,10 +454,15 @@ class _Aborted(Exception):
     """The writer was closed in the middle of a copy."""
 
 
-def _copy_out(view: memoryview, fd: int, end: int, stop: threading.Event) -> None:
-    """Write ``view[:end]`` to ``fd`` in chunks (each write releases the GIL)."""
+def _copy_out(view: memoryview, fd: int, end: int, stop: threading.Event,
+              gate: IdleGate | None) -> None:
+    """Write ``view[:end]`` to ``fd`` in chunks (each write releases the GIL), each once
+    ``gate`` says the workers are idle, for up to :data:`GATE_WAIT` seconds."""
     pos = 0
+    until = time.monotonic() + GATE_WAIT
     while pos < end:
+        if gate is not None and not gate.wait(until, stop):
+            gate = None
         if stop.is_set():
             raise _Aborted()
         with view[pos:min(pos + COPY_CHUNK, end)] as chunk:
@@ -624,6 +632,7 @@ class PersistWriter:
         self._retry_at = -math.inf
         self._token = f"{socket.gethostname()}-{os.getpid()}-{id(self):x}"
         self._host = socket.gethostname()
+        self._gate = IdleGate() if IdleGate.available() else None
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
@@ -686,6 +695,11 @@ class PersistWriter:
                 self._fail(StorageError(f"cannot delete persisted steps after {step} in "
                                         f"{run_dir(self.directory, self.run_id)}: "
                                         f"{exc.strerror}"))
+
+    def watch_workers(self, pids: Iterable[int]) -> None:
+        """The processes of this round's local workers: copies go while they are idle."""
+        if self._gate is not None:
+            self._gate.watch(pids)
 
     def _own_ranks(self) -> set[int]:
         try:
@@ -794,7 +808,7 @@ class PersistWriter:
             _preallocate(fd, end)
             with memoryview(buf) as view:
                 header_xxh3 = xxhash.xxh3_64_intdigest(view[:memory.HEADER_SIZE])
-                _copy_out(view, fd, end, self._stop)
+                _copy_out(view, fd, end, self._stop, self._gate)
             if not memory.unchanged(buf, header):
                 logger.debug("rank %d step %d changed during the copy; retried later",
                              rank, step)

@@ -36,12 +36,14 @@ class IdleGate:
     peers is idle; one computing on the CPU is not. A lower priority alone does not
     protect training on a busy host: a background thread inside a long system call (a
     loopback TCP transfer, say) is not preempted on kernels without full preemption, and
-    each wake-up of a training thread then waits for it. Not thread-safe: one user.
+    each wake-up of a training thread then waits for it. One thread asks; another may
+    :meth:`watch`.
     """
 
     def __init__(self) -> None:
         self._clocks: tuple[int, ...] = ()
-        self._last: tuple[float, list[int | None]] | None = None
+        # (when, the clocks read, what they showed) at the start of the current window
+        self._last: tuple[float, tuple[int, ...], list[int | None]] | None = None
         self._quiet = 0  # consecutive windows in which every process was idle
 
     @staticmethod
@@ -52,26 +54,33 @@ class IdleGate:
     def watch(self, pids: Iterable[int]) -> None:
         """Judge by these processes from now on (a new round's workers)."""
         self._clocks = tuple(c for pid in pids if (c := _cpu_clock(pid)) is not None)
-        self._last = None
-        self._quiet = 0
+
+    def wait(self, until: float, stop: threading.Event) -> bool:
+        """Wait until :meth:`idle`; False when ``until`` (monotonic time) passes first or
+        ``stop`` is set."""
+        while not self.idle():
+            if time.monotonic() >= until or stop.wait(IDLE_WINDOW):
+                return False
+        return True
 
     def idle(self) -> bool:
         """True when the watched processes were idle over the last two windows. After a
         pause of more than a window the count starts again (False)."""
-        if not self._clocks:
+        clocks = self._clocks
+        if not clocks:
             return True
         now = time.monotonic()
         last = self._last
-        if last is not None and now - last[0] < IDLE_WINDOW:
+        if last is not None and last[1] is clocks and now - last[0] < IDLE_WINDOW:
             return self._quiet >= 2
-        used = [_cpu_ns(clock) for clock in self._clocks]
-        self._last = (now, used)
-        if last is None or now - last[0] > 2 * IDLE_WINDOW:
-            self._quiet = 0
+        used = [_cpu_ns(clock) for clock in clocks]
+        self._last = (now, clocks, used)
+        if last is None or last[1] is not clocks or now - last[0] > 2 * IDLE_WINDOW:
+            self._quiet = 0  # a fresh window first
         else:
             busy = IDLE_SHARE * (now - last[0]) * 1e9
             quiet = all(ns is None or old is None or ns - old < busy
-                        for ns, old in zip(used, last[1], strict=True))
+                        for ns, old in zip(used, last[2], strict=True))
             self._quiet = self._quiet + 1 if quiet else 0
         return self._quiet >= 2
 

@@ -502,8 +502,11 @@ class MemoryService:
         self.persist.load(rank, step, lambda n: self.owner.write_target(rank, n, replica=False))
 
     def after_start(self, group: WorkerGroup) -> None:
+        pids = [int(w.id) for w in group.workers if w.id is not None]
         if self.replication is not None:
-            self.replication.watch_workers(int(w.id) for w in group.workers if w.id is not None)
+            self.replication.watch_workers(pids)
+        if self.persist is not None:
+            self.persist.watch_workers(pids)
 
     def after_stop(self, group: WorkerGroup) -> None:
         pass

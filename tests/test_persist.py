@@ -237,6 +237,32 @@ def test_thread_persists_in_background_at_low_priority(tmp_path: Path, run_id: s
     assert persist.scan(tmp_path, run_id) == {0: [1, 2]}
 
 
+def test_copies_wait_for_idle_workers(tmp_path: Path, run_id: str, hosts: list[Host]) -> None:
+    """A copy goes while the workers leave the CPU idle; a worker that never does delays
+    it by persist.GATE_WAIT at most."""
+    host = Host(run_id, "h0", [0], 1)
+    hosts.append(host)
+    writer = host.writer(tmp_path, every_steps=1)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    idle = subprocess.Popen(["sleep", "60"])
+    try:
+        time.sleep(0.3)
+        writer.watch_workers([busy.pid])
+        host.commit(0, 1)
+        began = time.monotonic()
+        assert writer.run_once() == [(0, 1)]
+        assert persist.GATE_WAIT <= time.monotonic() - began < persist.GATE_WAIT + 5
+        writer.watch_workers([idle.pid])
+        host.commit(0, 2)
+        began = time.monotonic()
+        assert writer.run_once() == [(0, 2)]
+        assert time.monotonic() - began < persist.GATE_WAIT
+    finally:
+        for proc in (busy, idle):
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("change", ["recommit", "writing"])
 def test_slot_changed_during_copy_is_not_published(tmp_path: Path, run_id: str,
                                                    hosts: list[Host],
@@ -248,13 +274,14 @@ def test_slot_changed_during_copy_is_not_published(tmp_path: Path, run_id: str,
     host.commit(0, 0)
     copy_out = persist._copy_out
 
-    def worker_writes_meanwhile(view: memoryview, fd: int, end: int, stop: Any) -> None:
-        copy_out(view, fd, end // 2, stop)
+    def worker_writes_meanwhile(view: memoryview, fd: int, end: int, stop: Any,
+                                gate: Any) -> None:
+        copy_out(view, fd, end // 2, stop, gate)
         if change == "recommit":  # the worker commits step 2 into the same slot
             host.commit(0, 2, index=0)
         else:  # the worker starts overwriting the slot (and dies, say)
             memory.set_state(host.owner.segments()[0][0].view, memory.SlotState.WRITING)
-        copy_out(view, fd, end, stop)
+        copy_out(view, fd, end, stop, gate)
 
     monkeypatch.setattr(persist, "_copy_out", worker_writes_meanwhile)
     assert writer.run_once() == []
@@ -396,10 +423,10 @@ from launcher import memory, persist
 from test_persist import commit_slot
 directory, run_id, nbytes = Path(sys.argv[1]), sys.argv[2], int(sys.argv[4])
 copy_out = persist._copy_out
-def slow_copy_out(view, fd, end, stop):  # widen the window in which a kill tears a file
+def slow_copy_out(view, fd, end, stop, gate):  # widen the window in which a kill tears a file
     for lo in range(0, end, 1 << 20):
         with view[lo:min(lo + (1 << 20), end)] as part:
-            copy_out(part, fd, len(part), stop)
+            copy_out(part, fd, len(part), stop, gate)
         time.sleep(0.004)
 persist._copy_out = slow_copy_out
 segment = memory.create_segment(sys.argv[5], memory.slot_size(nbytes, 1024))

@@ -38,7 +38,7 @@ from pathlib import Path
 from launcher import memory
 from launcher.errors import ConfigError, GeminiError, ReplicationError, StoreError
 from launcher.events import EventLog
-from launcher.priority import IDLE_WINDOW, IdleGate, lower_priority
+from launcher.priority import IdleGate, lower_priority
 from launcher.replication import placement, transport
 from launcher.slots import SlotOwner
 from launcher.store import Store
@@ -342,11 +342,9 @@ class _Pacer:
     def wait_idle(self) -> bool:
         """Wait for idle workers; False once past ``until`` (then at once), or without a
         gate."""
-        gate = self._gate
-        while gate is not None and not gate.idle():
-            if time.monotonic() >= self._until or self._stop.wait(IDLE_WINDOW):
-                self._gate = gate = None
-        return gate is not None
+        if self._gate is not None and not self._gate.wait(self._until, self._stop):
+            self._gate = None
+        return self._gate is not None
 
     def __call__(self, sent: int) -> None:
         """Before each chunk of a push, ``sent`` bytes into it: wait as pacing says."""
