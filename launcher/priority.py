@@ -30,9 +30,11 @@ class IdleGate:
     """Whether this host's training processes leave the CPU idle right now.
 
     Judged from each process's CPU time (all its threads: compute, communication, data
-    loading in threads), read through its CPU-time clock (``clock_getcpuclockid``):
-    idle when none of them used :data:`IDLE_SHARE` of a core in each of the last two
-    :data:`IDLE_WINDOW` windows. A worker waiting for its accelerator, its data or its
+    loading in threads), read through its CPU-time clock (``clock_getcpuclockid``), in
+    each of the last two :data:`IDLE_WINDOW` windows: idle when none of them used
+    :data:`IDLE_SHARE` of a core, or when together they left at least two of this
+    process's ``cpus`` free (a GPU host, whose workers spin while they wait for their
+    GPUs, has cores to spare). A worker waiting for its accelerator, its data or its
     peers is idle; one computing on the CPU is not. A lower priority alone does not
     protect training on a busy host: a background thread inside a long system call (a
     loopback TCP transfer, say) is not preempted on kernels without full preemption, and
@@ -40,7 +42,9 @@ class IdleGate:
     :meth:`watch`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cpus: int | None = None) -> None:
+        """``cpus``: the cores this host has (default: those this process may run on)."""
+        self._cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
         self._clocks: tuple[int, ...] = ()
         # (when, the clocks read, what they showed) at the start of the current window
         self._last: tuple[float, tuple[int, ...], list[int | None]] | None = None
@@ -78,9 +82,11 @@ class IdleGate:
         if last is None or last[1] is not clocks or now - last[0] > 2 * IDLE_WINDOW:
             self._quiet = 0  # a fresh window first
         else:
-            busy = IDLE_SHARE * (now - last[0]) * 1e9
-            quiet = all(ns is None or old is None or ns - old < busy
-                        for ns, old in zip(used, last[2], strict=True))
+            span = (now - last[0]) * 1e9
+            spent = [ns - old for ns, old in zip(used, last[2], strict=True)
+                     if ns is not None and old is not None]
+            quiet = (all(ns < IDLE_SHARE * span for ns in spent)
+                     or sum(spent) <= (self._cpus - 2) * span)
             self._quiet = self._quiet + 1 if quiet else 0
         return self._quiet >= 2
 

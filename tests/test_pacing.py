@@ -49,7 +49,7 @@ def test_idle_gate_tells_busy_processes_from_idle_ones(spawn: Spawn) -> None:
     assert IdleGate.available()
     busy, sleeper = spawn(60), spawn(0)
     time.sleep(0.5)  # both interpreters started
-    gate = IdleGate()
+    gate = IdleGate(cpus=2)
     gate.watch([busy.pid, sleeper.pid])
     assert not any(answers(gate, 0.3))
     gate.watch([sleeper.pid])
@@ -64,10 +64,22 @@ def test_idle_gate_tells_busy_processes_from_idle_ones(spawn: Spawn) -> None:
     assert gate.idle()
 
 
+def test_idle_gate_counts_spare_cores_as_idle(spawn: Spawn) -> None:
+    """On a host with cores to spare (a GPU host whose workers spin while they wait),
+    busy workers leave room: only workers that fill all but two cores count as busy."""
+    busy = spawn(60)
+    time.sleep(0.3)
+    roomy, full = IdleGate(cpus=4), IdleGate(cpus=2)
+    roomy.watch([busy.pid])
+    full.watch([busy.pid])
+    assert answers(roomy, 0.2)[-1]
+    assert not any(answers(full, 0.2))
+
+
 def test_pacer_sends_once_the_workers_idle(spawn: Spawn) -> None:
     worker = spawn(0.4)
     time.sleep(0.3)
-    gate = IdleGate()
+    gate = IdleGate(cpus=2)
     gate.watch([worker.pid])
     began = time.monotonic()
     pacer = _Pacer(gate, rate=1e3, until=began + 10, stop=threading.Event())
@@ -83,7 +95,7 @@ def test_pacer_sends_once_the_workers_idle(spawn: Spawn) -> None:
 def test_pacer_falls_back_to_the_rate_when_workers_never_idle(spawn: Spawn) -> None:
     worker = spawn(60)
     time.sleep(0.3)
-    gate = IdleGate()
+    gate = IdleGate(cpus=2)
     gate.watch([worker.pid])
     began = time.monotonic()
     pacer = _Pacer(gate, rate=1e6, until=began + 0.3, stop=threading.Event())
