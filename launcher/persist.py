@@ -583,8 +583,9 @@ class PersistWriter:
     A daemon thread polls the slots every ``poll_interval`` seconds, picks for each rank
     the step to persist (:func:`plan`: every ``every_steps`` steps, aligned to multiples of
     it, and/or once ``every_seconds`` have passed since the rank's last persist), and copies
-    the slot into a file, at low CPU priority, chunk by chunk from the mapping: the workers
-    never wait for it. The slot is not locked: the header is read first and checked with
+    the slot into a file, at low CPU priority, chunk by chunk from the mapping, each chunk
+    once the workers leave the CPU idle (for at most :data:`GATE_WAIT` seconds per file):
+    the workers never wait for it. The slot is not locked: the header is read first and checked with
     ``memory.unchanged`` after the copy; a slot that a worker rewrote meanwhile is discarded
     and a newer step is tried later. After each publish the ``keep`` newest complete steps
     are kept and this host's files of older steps are deleted (never the only complete

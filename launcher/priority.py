@@ -29,12 +29,14 @@ def lower_priority(nice: int) -> None:
 class IdleGate:
     """Whether this host's training processes leave the CPU idle right now.
 
-    Judged from each process's CPU time (all its threads: compute, communication, data
-    loading in threads), read through its CPU-time clock (``clock_getcpuclockid``), in
-    each of the last two :data:`IDLE_WINDOW` windows: idle when none of them used
-    :data:`IDLE_SHARE` of a core, or when together they left at least two of this
-    process's ``cpus`` free (a GPU host, whose workers spin while they wait for their
-    GPUs, has cores to spare). A worker waiting for its accelerator, its data or its
+    Judged in each of the last two :data:`IDLE_WINDOW` windows from each process's CPU
+    time (all its threads: compute, communication, data loading in threads; read through
+    its CPU-time clock, ``clock_getcpuclockid``) and from the time its main thread ran or
+    waited for a core (``/proc/PID/schedstat``: a busy process on a crowded host uses
+    little CPU but waits for it): idle when neither reached :data:`IDLE_SHARE` of the
+    window for any process, or when the processes together left at least two of this
+    host's ``cpus`` free (a GPU host, whose workers spin while they wait for their GPUs,
+    has cores to spare). A worker waiting for its accelerator, its data or its
     peers is idle; one computing on the CPU is not. A lower priority alone does not
     protect training on a busy host: a background thread inside a long system call (a
     loopback TCP transfer, say) is not preempted on kernels without full preemption, and
@@ -45,10 +47,12 @@ class IdleGate:
     def __init__(self, cpus: int | None = None) -> None:
         """``cpus``: the cores this host has (default: those this process may run on)."""
         self._cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
-        self._clocks: tuple[int, ...] = ()
-        # (when, the clocks read, what they showed) at the start of the current window
-        self._last: tuple[float, tuple[int, ...], list[int | None]] | None = None
-        self._quiet = 0  # consecutive windows in which every process was idle
+        self._watched: tuple[tuple[int, int], ...] = ()  # (pid, its CPU-time clock)
+        # (when, what was watched, CPU times, main threads' run + wait times) at the start
+        # of the current window
+        self._last: tuple[float, tuple[tuple[int, int], ...], list[int | None],
+                          list[int | None]] | None = None
+        self._quiet = 0  # consecutive quiet windows (idle workers, or cores to spare)
 
     @staticmethod
     def available() -> bool:
@@ -57,7 +61,7 @@ class IdleGate:
 
     def watch(self, pids: Iterable[int]) -> None:
         """Judge by these processes from now on (a new round's workers)."""
-        self._clocks = tuple(c for pid in pids if (c := _cpu_clock(pid)) is not None)
+        self._watched = tuple((pid, c) for pid in pids if (c := _cpu_clock(pid)) is not None)
 
     def wait(self, until: float, stop: threading.Event) -> bool:
         """Wait until :meth:`idle`; False when ``until`` (monotonic time) passes first or
@@ -70,25 +74,39 @@ class IdleGate:
     def idle(self) -> bool:
         """True when the watched processes were idle over the last two windows. After a
         pause of more than a window the count starts again (False)."""
-        clocks = self._clocks
-        if not clocks:
+        watched = self._watched
+        if not watched:
             return True
         now = time.monotonic()
         last = self._last
-        if last is not None and last[1] is clocks and now - last[0] < IDLE_WINDOW:
+        if last is not None and last[1] is watched and now - last[0] < IDLE_WINDOW:
             return self._quiet >= 2
-        used = [_cpu_ns(clock) for clock in clocks]
-        self._last = (now, clocks, used)
-        if last is None or last[1] is not clocks or now - last[0] > 2 * IDLE_WINDOW:
+        used = [_cpu_ns(clock) for _, clock in watched]
+        wanted = [_main_thread_ns(pid) for pid, _ in watched]
+        self._last = (now, watched, used, wanted)
+        if last is None or last[1] is not watched or now - last[0] > 2 * IDLE_WINDOW:
             self._quiet = 0  # a fresh window first
         else:
             span = (now - last[0]) * 1e9
-            spent = [ns - old for ns, old in zip(used, last[2], strict=True)
-                     if ns is not None and old is not None]
-            quiet = (all(ns < IDLE_SHARE * span for ns in spent)
+            spent = _deltas(used, last[2])
+            quiet = (all(ns < IDLE_SHARE * span for ns in spent + _deltas(wanted, last[3]))
                      or sum(spent) <= (self._cpus - 2) * span)
             self._quiet = self._quiet + 1 if quiet else 0
         return self._quiet >= 2
+
+
+def _deltas(now: list[int | None], before: list[int | None]) -> list[int]:
+    return [a - b for a, b in zip(now, before, strict=True) if a is not None and b is not None]
+
+
+def _main_thread_ns(pid: int) -> int | None:
+    """Nanoseconds the main thread of ``pid`` ran or waited for a core, or None."""
+    try:
+        with open(f"/proc/{pid}/schedstat", "rb") as fh:
+            run, wait = fh.read().split()[:2]
+        return int(run) + int(wait)
+    except (OSError, ValueError):
+        return None
 
 
 def _cpu_clock(pid: int) -> int | None:

@@ -36,6 +36,14 @@ def spawn() -> Iterator[Spawn]:
         proc.wait()
 
 
+def watching(proc: subprocess.Popen[bytes], cpus: int = 2) -> IdleGate:
+    """A gate on ``proc`` (on a host of ``cpus`` cores), once its interpreter is up."""
+    time.sleep(0.3)
+    gate = IdleGate(cpus=cpus)
+    gate.watch([proc.pid])
+    return gate
+
+
 def answers(gate: IdleGate, seconds: float) -> list[bool]:
     found = []
     end = time.monotonic() + seconds
@@ -68,24 +76,17 @@ def test_idle_gate_counts_spare_cores_as_idle(spawn: Spawn) -> None:
     """On a host with cores to spare (a GPU host whose workers spin while they wait),
     busy workers leave room: only workers that fill all but two cores count as busy."""
     busy = spawn(60)
-    time.sleep(0.3)
-    roomy, full = IdleGate(cpus=4), IdleGate(cpus=2)
-    roomy.watch([busy.pid])
-    full.watch([busy.pid])
+    roomy, full = watching(busy, cpus=4), watching(busy, cpus=2)
     assert answers(roomy, 0.2)[-1]
     assert not any(answers(full, 0.2))
 
 
 def test_pacer_sends_once_the_workers_idle(spawn: Spawn) -> None:
-    worker = spawn(0.4)
-    time.sleep(0.3)
-    gate = IdleGate(cpus=2)
-    gate.watch([worker.pid])
+    gate = watching(spawn(1.0))
     began = time.monotonic()
     pacer = _Pacer(gate, rate=1e3, until=began + 10, stop=threading.Event())
     assert pacer.wait_idle()
-    waited = time.monotonic() - began
-    assert 0.1 < waited < 5
+    assert 0.3 < time.monotonic() - began < 5
     began = time.monotonic()
     for sent in range(0, 10_000_000, 1_000_000):  # idle: no rate applies (1 kB/s here)
         pacer(sent)
@@ -93,10 +94,7 @@ def test_pacer_sends_once_the_workers_idle(spawn: Spawn) -> None:
 
 
 def test_pacer_falls_back_to_the_rate_when_workers_never_idle(spawn: Spawn) -> None:
-    worker = spawn(60)
-    time.sleep(0.3)
-    gate = IdleGate(cpus=2)
-    gate.watch([worker.pid])
+    gate = watching(spawn(60))
     began = time.monotonic()
     pacer = _Pacer(gate, rate=1e6, until=began + 0.3, stop=threading.Event())
     pacer(0)
