@@ -66,6 +66,10 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "[default: embedded, next to the run root]"),
     (("--host-ttl", "--host_ttl"), "host_ttl",
      "Seconds without a heartbeat before a host counts as lost.  [default: 10]"),
+    (("--hang-timeout", "--hang_timeout"), "hang_timeout",
+     "Seconds without an optimizer step or save in a worker's Checkpointer before the "
+     "host's workers count as hung and are restarted; 0 turns hang detection off.  "
+     "[default: 0]"),
     (("--standby/--no-standby",), "standby",
      "Keep a standby interpreter per worker with torch imported, for fast restarts.  "
      "[default: standby]"),

@@ -112,6 +112,9 @@ class RunConfig:
     (default: an embedded store, ``store.db`` next to the run root)."""
     host_ttl: float = dataclasses.field(default=10.0, metadata={"gemini": True})
     """Seconds without a heartbeat after which a host counts as lost."""
+    hang_timeout: float = dataclasses.field(default=0.0, metadata={"gemini": True})
+    """Seconds without progress (an optimizer step or save of a worker's Checkpointer)
+    after which the host's workers are killed and restarted (0: no hang detection)."""
     standby: bool = dataclasses.field(default=True, metadata={"gemini": True})
     """Keep one interpreter per local rank with torch imported, so a restart skips start-up."""
     replicas: int = dataclasses.field(default=2, metadata={"gemini": True})
@@ -153,6 +156,7 @@ class RunConfig:
             _parse_host_port(self.replication_addr, "replication_addr")
         for name, ok, rule in (
             ("host_ttl", self.host_ttl >= 1, ">= 1 second"),
+            ("hang_timeout", self.hang_timeout >= 0, ">= 0 seconds"),
             ("replicas", self.replicas >= 1, ">= 1"),
             ("replicate_every", self.replicate_every >= 1, ">= 1"),
             ("persist_keep", self.persist_keep >= 1, ">= 1"),

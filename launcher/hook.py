@@ -203,6 +203,9 @@ class Checkpointer:
         # id(segment) -> its address registered with CUDA as pinned memory (0: failed)
         self._pinned: dict[int, int] = {}
         self._closed = False
+        self._heartbeat: memory.Segment | None = None
+        self._beat_view: memoryview | None = None  # this rank's counter in it
+        self._beats = 0
         # Seconds the training loop has spent blocked in save() and in waits for a copy
         # (wait(), the optimizer pre-step hook): how long checkpointing has stalled it.
         self.stalled = 0.0
@@ -217,6 +220,7 @@ class Checkpointer:
             _warn_inactive()
             return
         _die_with_supervisor()
+        self._attach_heartbeat()
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._before_optimizer_step)
         atexit.register(self.close)
@@ -255,10 +259,20 @@ class Checkpointer:
         self._newest = index
         return step + 1
 
+    def heartbeat(self) -> None:
+        """Tell the supervisor that this worker is making progress. Optimizer steps and
+        ``save()`` do it already; call it within long phases that have neither (an
+        evaluation, say) when the job runs with ``--hang-timeout``."""
+        view = self._beat_view
+        if view is not None:
+            self._beats += 1
+            view[0] = self._beats
+
     def save(self, step: int) -> None:
         """Snapshot the state as of the end of ``step``; returns before the copy is done
         (except for a small CPU state, which is copied, and committed, right here)."""
         began = time.perf_counter()
+        self.heartbeat()
         try:
             self._save(step)
         finally:
@@ -321,6 +335,11 @@ class Checkpointer:
                 if segment is not None:
                     self._unpin(segment)
                     segment.close()
+            if self._beat_view is not None and self._heartbeat is not None:
+                self._beat_view[0] = memory.HEARTBEAT_DONE  # no hang from here on
+                self._beat_view.release()
+                self._beat_view = None
+                self._heartbeat.close()
             if self._conn is not None:
                 self._conn.close()
 
@@ -460,7 +479,25 @@ class Checkpointer:
 
     # -- the copy (on the background thread, or within save() for a small state) -----------
     def _before_optimizer_step(self, *_: Any) -> None:
+        self.heartbeat()
         self.wait()
+
+    def _attach_heartbeat(self) -> None:
+        """Map this rank's counter in the supervisor's heartbeat segment (launcher.health)."""
+        name = os.environ.get(memory.ENV_HEARTBEAT, "")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if not name:
+            return
+        try:
+            segment = memory.attach_segment(name, populate=False)
+        except StorageError:
+            return  # a supervisor without hang detection
+        offset = local_rank * memory.HEARTBEAT_STRIDE
+        if offset + 8 <= segment.size:
+            self._heartbeat = segment
+            self._beat_view = memoryview(segment.view)[offset:offset + 8].cast("Q")
+        else:
+            segment.close()
 
     def _copy(self, step: int, skeleton: Any, tensors: list[tuple[str, torch.Tensor]],
               event: Any) -> None:

@@ -126,6 +126,20 @@ def parse_slot_name(name: str) -> SlotName | None:
                     match.group("kind") == "x")
 
 
+#: The heartbeat segment of a run on a host (``launcher.health``): one native 64-bit
+#: counter per local rank, each in a cache line of its own, bumped by the worker.
+HEARTBEAT_SUFFIX = "heartbeat"
+HEARTBEAT_STRIDE = 64
+#: Worker environment variable naming that segment.
+ENV_HEARTBEAT = "GEMINI_HEARTBEAT"
+#: The count a worker leaves when it closes its Checkpointer: nothing more to watch.
+HEARTBEAT_DONE = (1 << 64) - 1
+
+
+def heartbeat_name(prefix: str) -> str:
+    return prefix + HEARTBEAT_SUFFIX
+
+
 def list_segments(prefix: str = PREFIX) -> list[str]:
     """Names of the segments in the shared-memory directory that start with ``prefix``."""
     try:

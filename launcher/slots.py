@@ -536,8 +536,9 @@ def find_leftovers() -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for name in memory.list_segments():
         parsed = memory.parse_slot_name(name)
-        prefix = parsed[0] if parsed else (
-            name[: -len(OWNER_SUFFIX)] if name.endswith(OWNER_SUFFIX) else None)
+        prefix = parsed[0] if parsed else next(
+            (name[: -len(suffix)] for suffix in (OWNER_SUFFIX, memory.HEARTBEAT_SUFFIX)
+             if name.endswith(suffix)), None)
         if prefix is not None:
             groups.setdefault(prefix, []).append(name)
     dead: dict[str, list[str]] = {}

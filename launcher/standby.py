@@ -91,7 +91,10 @@ class StandbyService:
         pass
 
     def check(self) -> None:
-        pass
+        # A standby that died while waiting (OOM killer, a stray signal) is replaced now,
+        # not at the next restart, which would otherwise start a cold process.
+        if self.enabled:
+            self.pool.fill()
 
     def close(self) -> None:
         self.pool.close()

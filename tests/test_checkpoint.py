@@ -92,6 +92,31 @@ def test_kill_resumes_bitwise(tmp_path: Path, reference: dict, kills: list[str],
     _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
+def test_hung_worker_is_restarted(tmp_path: Path, reference: dict) -> None:
+    """Rank 1 stops itself (SIGSTOP) after committing step 5; rank 0 then waits in its
+    all-reduce. Neither exits: --hang-timeout notices the silence and kills both."""
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "3",
+                "--hang-timeout", "2", TRAIN, "--steps", "12", "--kill", "1:5:stop",
+                "--out", str(tmp_path / "out.pt")], env=env_with(tmp_path), timeout=240)
+    assert done.returncode == 0, done.output[-4000:]
+    assert _resumes(done.stdout) == {0: {0}, 1: {6}}
+    hangs = [e for e in events(tmp_path / "runs") if e["event"] == "hang"]
+    assert len(hangs) == 1 and hangs[0]["silent_seconds"] >= 2, hangs
+    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def test_hang_timeout_spares_slow_and_silent_workers(tmp_path: Path) -> None:
+    """Steps slower than nothing but faster than the timeout, and workers that never beat
+    (no Checkpointer), are not hangs."""
+    slow = run([*GEMINI, "run", "--nproc-per-node", "2", "--hang-timeout", "1.5", TRAIN,
+                "--steps", "5", "--sleep", "0.6"], env=env_with(tmp_path), timeout=120)
+    assert slow.returncode == 0, slow.output[-3000:]
+    silent = run([*GEMINI, "run", "--nproc-per-node", "1", "--hang-timeout", "0.5",
+                  str(SCRIPTS / "idle.py"), "2"], env=env_with(tmp_path), timeout=120)
+    assert silent.returncode == 0, silent.output[-3000:]
+    assert not [e for e in events(tmp_path / "runs") if e["event"] in ("hang", "restart")]
+
+
 def _read_lines(proc: subprocess.Popen[str], sink: list[str]) -> threading.Thread:
     def pump() -> None:
         assert proc.stdout is not None

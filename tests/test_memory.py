@@ -328,9 +328,11 @@ def test_inactive_outside_gemini_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
 _DIE_WITH_SEGMENTS = """
 import os, sys
+from launcher import memory
 from launcher.slots import SlotOwner
 owner = SlotOwner(run_id=sys.argv[1], host_id="h0", local_world_size=1)
 owner.allocate(0, 1 << 16)
+memory.create_segment(memory.heartbeat_name(owner.prefix), memory.HEARTBEAT_STRIDE)
 os._exit(0)  # like SIGKILL: no cleanup
 """
 
@@ -339,7 +341,7 @@ def test_adoption_and_clean_of_dead_owner(run_id: str) -> None:
     subprocess.run([sys.executable, "-c", _DIE_WITH_SEGMENTS, run_id], check=True, timeout=60)
     prefix = memory.segment_prefix(run_id, "h0")
     left = memory.list_segments(prefix)
-    assert len(left) == 3  # two slots and the owner file
+    assert len(left) == 4  # two slots, the heartbeats (launcher.health), the owner file
     assert prefix in find_leftovers()
     owner = SlotOwner(run_id=run_id, host_id="h0", local_world_size=1)  # adopts
     assert prefix not in find_leftovers()  # live owner now

@@ -5,6 +5,7 @@ Fault injection for tests (deterministic, only on the attempt given):
       "copy"  inside the snapshot copy of STEP: bytes written, not committed
       "step"  between steps, after the snapshot of STEP is committed
       "flip"  like "step", but first flip one bit of that committed snapshot in memory
+      "stop"  like "step", but SIGSTOP instead: a hung worker (for --hang-timeout)
 Prints "resume rank=R start=S attempt=A" and, on rank 0, "step S loss L".
 """
 
@@ -97,12 +98,13 @@ for step in range(start, args.steps):
     if copy_kill_steps:
         arm(step)
     ckpt.save(step)
-    if (rank, step, "step", attempt) in kills or (rank, step, "flip", attempt) in kills:
+    if any((rank, step, when, attempt) in kills for when in ("step", "flip", "stop")):
         ckpt.wait()
         if (rank, step, "flip", attempt) in kills:
             newest = ckpt._segments[ckpt._newest]
             newest.view[memory.HEADER_SIZE + 100] ^= 0x10
-        os.kill(os.getpid(), signal.SIGKILL)
+        stop = (rank, step, "stop", attempt) in kills
+        os.kill(os.getpid(), signal.SIGSTOP if stop else signal.SIGKILL)
     if copy_kill_steps and step in copy_kill_steps:
         ckpt.wait()  # the copy thread kills the process before this returns
     if rank == 0:
