@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
-from helpers import GEMINI, SCRIPTS, TORCHRUN, env_with, events, free_port, run, start
+from helpers import GEMINI, SCRIPTS, TORCHRUN, env_with, events, free_port, kill_tree, run, start
 
 # Values that differ between any two launches of the same command, even of torchrun itself.
 PER_LAUNCH = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
@@ -112,3 +116,43 @@ def test_two_nodes_restart_across_hosts(tmp_path: Path) -> None:
     joined = "\n".join(outputs)
     assert "ok rank=0" in joined and "ok rank=1" in joined
     assert "connectFullMesh" not in joined
+
+
+def _standbys(supervisor: int, workers: set[int]) -> set[int]:
+    found = set()
+    for child in psutil.Process(supervisor).children():
+        try:
+            if child.pid not in workers and child.status() != psutil.STATUS_ZOMBIE and (
+                    "launcher.standby" in child.cmdline()):
+                found.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def test_a_standby_that_dies_is_replaced_at_once(tmp_path: Path) -> None:
+    """A waiting standby killed mid-run is replaced then, not at the next restart."""
+    proc = start([*GEMINI, "run", "--nproc-per-node", "1", str(SCRIPTS / "idle.py"), "30"],
+                 env=env_with(tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        standbys: set[int] = set()
+        while not standbys and time.monotonic() < deadline:
+            starts = [e for e in events(tmp_path / "runs") if e["event"] == "start"]
+            if starts:
+                workers = {int(w["pid"]) for w in starts[-1]["workers"]}
+                standbys = _standbys(proc.pid, workers)
+            time.sleep(0.1)
+        assert len(standbys) == 1, "no standby waiting"
+        os.kill(standbys.pop(), signal.SIGKILL)
+        replaced: set[int] = set()
+        while not replaced and time.monotonic() < deadline:
+            time.sleep(0.1)
+            replaced = _standbys(proc.pid, workers)
+        assert len(replaced) == 1, "the standby was not replaced"
+        assert proc.poll() is None  # the job itself carried on
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        kill_tree(proc.pid)
+        proc.communicate(timeout=30)
