@@ -6,6 +6,7 @@ from launcher.errors import (
     CheckpointError,
     ConfigError,
     GeminiError,
+    HostUnhealthyError,
     Interrupted,
     StorageError,
     StoreError,
@@ -19,6 +20,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (StoreError, 3),
     (StorageError, 4),
     (CheckpointError, 5),
+    (HostUnhealthyError, 6),
     (GeminiError, 1),
 )
 USAGE_EXIT = 2

@@ -362,11 +362,10 @@ def launch(config: RunConfig, command: Command, *,
         services.append(coordination)
         memory_service = _memory_service(config, launch_config, owner, events, store)
         services.append(memory_service)
-        if config.hang_timeout > 0:
-            from launcher.health import HealthService
+        from launcher.health import HealthService
 
-            services.append(HealthService(owner.prefix, launch_config.nproc_per_node,
-                                          hang_timeout=config.hang_timeout, events=events))
+        services.append(HealthService(owner.prefix, launch_config.nproc_per_node,
+                                      hang_timeout=config.hang_timeout, events=events))
         if memory_service.persist is not None:
             coordination.persist_status = memory_service.persist.status
     except BaseException:

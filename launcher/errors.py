@@ -44,6 +44,11 @@ class CheckpointError(GeminiError):
     """A checkpoint is missing, corrupt, or does not match the model."""
 
 
+class HostUnhealthyError(GeminiError):
+    """This host cannot train any more (a GPU fell off the bus): its supervisor stops its
+    workers and leaves the job, as a lost host would."""
+
+
 class WorkerFailedError(GeminiError):
     """The worker group failed and no restarts are left.
 

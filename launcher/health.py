@@ -10,6 +10,13 @@ SIGKILLs the round's workers, and torch elastic restarts them as after a crash (
 a restart); they resume from the in-memory checkpoint.
 
 Workers that never beat (scripts without a Checkpointer) are not watched.
+
+GPU health: where NVML is available (``nvidia-ml-py``, the ``gpu`` extra) a thread asks
+it every few seconds about each GPU this host's workers can see. A GPU that NVML reports
+lost (fallen off the bus) or in need of a reset makes this host unhealthy: the supervisor
+stops its workers and leaves the job (:class:`HostUnhealthyError`), which the other hosts
+then handle as a lost host. Nothing else NVML reports (temperatures, ECC counts) stops
+a job.
 """
 
 from __future__ import annotations
@@ -18,10 +25,13 @@ import logging
 import os
 import signal
 import struct
+import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher import memory
+from launcher.errors import HostUnhealthyError
 from launcher.events import EventLog
 
 if TYPE_CHECKING:
@@ -29,28 +39,37 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Seconds between two NVML checks of the GPUs.
+GPU_CHECK_INTERVAL = 2.0
+
+
 class HealthService:
-    """Supervisor service (see ``agent.SupervisorService``): hang detection."""
+    """Supervisor service (see ``agent.SupervisorService``): hang detection (with
+    ``hang_timeout`` > 0) and GPU health (where NVML is available)."""
 
     def __init__(self, prefix: str, local_world_size: int, *, hang_timeout: float,
                  events: EventLog) -> None:
         self.hang_timeout = hang_timeout
         self._events = events
-        self._segment = memory.create_segment(memory.heartbeat_name(prefix),
-                                              memory.HEARTBEAT_STRIDE * local_world_size)
+        self._segment: memory.Segment | None = None
+        if hang_timeout > 0:
+            self._segment = memory.create_segment(memory.heartbeat_name(prefix),
+                                                  memory.HEARTBEAT_STRIDE * local_world_size)
+            os.environ[memory.ENV_HEARTBEAT] = self._segment.name
         self._pids: dict[int, int] = {}  # local rank -> worker pid, this round
         self._last: dict[int, tuple[int, float]] = {}  # local rank -> (count, when it moved)
         self._killed = False
-        os.environ[memory.ENV_HEARTBEAT] = self._segment.name
+        self.gpus = GpuWatch.start()
 
     def _count(self, local_rank: int) -> int:
+        assert self._segment is not None
         value: int = struct.unpack_from("Q", self._segment.view,
                                         local_rank * memory.HEARTBEAT_STRIDE)[0]
         return value
 
     def before_start(self, group: WorkerGroup, store: Any) -> None:
-        # No worker runs: start the round's counters from zero.
-        self._segment.view[:] = bytes(self._segment.size)
+        if self._segment is not None:  # no worker runs: the round's counters start at zero
+            self._segment.view[:] = bytes(self._segment.size)
 
     def after_start(self, group: WorkerGroup) -> None:
         self._pids = {w.local_rank: int(w.id) for w in group.workers if w.id is not None}
@@ -61,7 +80,11 @@ class HealthService:
         self._pids = {}
 
     def check(self) -> None:
-        if self.hang_timeout <= 0 or self._killed or not self._pids:
+        lost = self.gpus.lost if self.gpus is not None else None
+        if lost is not None:
+            self._events.write("host_unhealthy", reason=lost)
+            raise HostUnhealthyError(f"{lost}: this host leaves the job")
+        if self._segment is None or self._killed or not self._pids:
             return
         now = time.monotonic()
         for local_rank in self._pids:
@@ -94,5 +117,93 @@ class HealthService:
                     pass
 
     def close(self) -> None:
-        self._segment.close()
-        memory.unlink_segment(self._segment.name)
+        if self.gpus is not None:
+            self.gpus.close()
+        if self._segment is not None:
+            self._segment.close()
+            memory.unlink_segment(self._segment.name)
+
+
+class GpuWatch:
+    """A thread that asks NVML about this host's GPUs every ``GPU_CHECK_INTERVAL`` s;
+    :attr:`lost` says why the host is unhealthy once a GPU is lost (else None)."""
+
+    def __init__(self, nvml: Any, handles: dict[str, Any]) -> None:
+        self.lost: str | None = None
+        self._nvml = nvml
+        self._handles = handles
+        self._unusable = {nvml.NVML_ERROR_GPU_IS_LOST,
+                          getattr(nvml, "NVML_ERROR_RESET_REQUIRED", -1)}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gemini-gpu-health",
+                                        daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls) -> GpuWatch | None:
+        """A watch over the GPUs the workers can see, or None (no NVML, no GPU)."""
+        try:
+            import pynvml as nvml  # nvidia-ml-py
+        except ImportError:
+            if Path("/dev/nvidia0").exists():
+                logger.warning("GPU health checks are off: install nvidia-ml-py "
+                               "(pip install 'gemini[gpu]')")
+            return None
+        try:
+            nvml.nvmlInit()
+        except nvml.NVMLError as exc:  # no driver: a host without GPUs
+            logger.debug("NVML unavailable: %s", exc)
+            return None
+        handles: dict[str, Any] = {}
+        lost: str | None = None
+        for name in _visible_gpus(nvml.nvmlDeviceGetCount()):
+            try:
+                handles[name] = (nvml.nvmlDeviceGetHandleByUUID(name) if name.startswith("GPU-")
+                                 else nvml.nvmlDeviceGetHandleByIndex(int(name)))
+            except nvml.NVMLError as exc:
+                if exc.value == nvml.NVML_ERROR_GPU_IS_LOST:
+                    lost = f"GPU {name} is lost (NVML: {exc})"
+        if not handles and lost is None:
+            nvml.nvmlShutdown()
+            return None
+        watch = cls(nvml, handles)
+        watch.lost = lost
+        return watch
+
+    def _loop(self) -> None:
+        nvml = self._nvml
+        while self.lost is None and not self._stop.wait(GPU_CHECK_INTERVAL):
+            for name, handle in self._handles.items():
+                try:
+                    nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)
+                except nvml.NVMLError as exc:
+                    if exc.value in self._unusable:
+                        self.lost = f"GPU {name} is lost (NVML: {exc})"
+                        logger.error("%s", self.lost)
+                        break
+                    # anything else (not supported, no permission): no verdict
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self._nvml.nvmlShutdown()
+        except self._nvml.NVMLError:
+            pass
+
+
+def _visible_gpus(count: int) -> list[str]:
+    """NVML indices (or ``GPU-`` UUIDs) of the GPUs that CUDA_VISIBLE_DEVICES leaves to the
+    workers: all ``count`` when it is unset or names MIG devices, none when it is empty."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or "MIG-" in visible:
+        return [str(i) for i in range(count)]
+    names = []
+    for item in (v.strip() for v in visible.split(",")):
+        if item.isdigit() and int(item) < count:
+            names.append(item)
+        elif item.startswith("GPU-"):
+            names.append(item)
+        else:  # CUDA ignores the entries from the first invalid one on
+            break
+    return names

@@ -117,6 +117,32 @@ def test_hang_timeout_spares_slow_and_silent_workers(tmp_path: Path) -> None:
     assert not [e for e in events(tmp_path / "runs") if e["event"] in ("hang", "restart")]
 
 
+def test_lost_gpu_takes_the_host_out(tmp_path: Path) -> None:
+    """NVML (a stand-in module: no GPU here) says a GPU fell off the bus mid-run: the
+    supervisor stops its workers, frees its memory and leaves with exit code 6."""
+    lost = tmp_path / "lost"
+    env = env_with(tmp_path, PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).parent / "fake_nvml"), os.environ.get("PYTHONPATH", "")]),
+        FAKE_NVML_LOST=str(lost))
+    proc = start([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "3", TRAIN,
+                  "--steps", "200", "--sleep", "0.1"], env=env)
+    lines: list[str] = []
+    pump = _read_lines(proc, lines)
+    try:
+        _wait_for(lines, r"^step 3 ")
+        workers = _workers(tmp_path / "runs")
+        lost.touch()
+        assert proc.wait(timeout=60) == 6, "".join(lines)[-3000:]
+        _, alive = psutil.wait_procs(workers, timeout=15)
+        assert len(workers) == 2 and not alive
+    finally:
+        kill_group(proc)
+        pump.join(timeout=10)
+    said = "gemini: error: GPU 1 is lost (NVML: GPU is lost): this host leaves the job\n"
+    assert said in lines, "".join(lines)[-3000:]
+    assert [e["event"] for e in events(tmp_path / "runs")][-2:] == ["host_unhealthy", "exit"]
+
+
 def _read_lines(proc: subprocess.Popen[str], sink: list[str]) -> threading.Thread:
     def pump() -> None:
         assert proc.stdout is not None
