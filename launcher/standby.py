@@ -4,13 +4,14 @@ Restarting a worker costs a Python start and ``import torch`` (1.3-2.5 s here) b
 script even begins; that is most of a recovery. The supervisor keeps one standby per
 local rank. When torch elastic starts a worker whose command is ``python -u SCRIPT ...``
 (or ``-m MODULE``) with output going to the console, the standby receives the worker's
-exact argv, environment and working directory on its stdin and runs the script in place
-with ``runpy``, as ``--run-path`` does. Anything else (``--no-python``, log-file
-redirects, NUMA wrappers, another interpreter) starts a fresh process as usual.
+exact argv, environment and working directory through a pipe of its own and runs the
+script in place, as ``python -u`` itself would (``_run``). Anything else
+(``--no-python``, log-file redirects, NUMA wrappers, another interpreter) starts a fresh
+process as usual.
 
-A standby exits when its stdin closes, so it never outlives its supervisor.
+A standby exits when that pipe closes, so it never outlives its supervisor.
 
-This module is also the standby's entry point: ``python -u -m launcher.standby``.
+This module is also the standby's entry point: ``python -u -m launcher.standby JOB_FD``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import zipfile
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -41,9 +43,20 @@ class StandbyPool:
         with self._lock:
             self._idle = [p for p in self._idle if p.poll() is None]
             while not self._closed and len(self._idle) < self.size:
-                self._idle.append(subprocess.Popen(
-                    [sys.executable, "-u", "-m", "launcher.standby"], stdin=subprocess.PIPE,
-                    start_new_session=True))
+                # The job comes through a pipe of its own: the worker keeps this
+                # process's stdin, as torchrun's workers do (a breakpoint() can read it).
+                job_in, job_out = os.pipe()
+                try:
+                    proc = subprocess.Popen(
+                        [sys.executable, "-u", "-m", "launcher.standby", str(job_in)],
+                        pass_fds=(job_in,), start_new_session=True)
+                except BaseException:
+                    os.close(job_out)
+                    raise
+                finally:
+                    os.close(job_in)
+                proc.stdin = os.fdopen(job_out, "wb")  # what activate() writes the job to
+                self._idle.append(proc)
 
     def take(self) -> subprocess.Popen[bytes] | None:
         """An idle, living standby, or None."""
@@ -162,25 +175,74 @@ def install(pool: StandbyPool) -> bool:
 
 # -- the standby process -------------------------------------------------------------------
 
-def _run(job: dict[str, Any]) -> None:
+def _run(job: dict[str, Any], niced: int) -> None:
+    """Become the worker ``job`` describes: its environment, directory and command
+    (``python -u ARGV...``), run as ``python`` itself would run it."""
     import runpy
 
-    os.nice(-5) if os.geteuid() == 0 else None  # back to the priority of a worker
+    this_file = __file__
+    if niced:
+        os.nice(-niced)  # back to the priority of a worker
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
-    argv = [a for a in job["argv"] if a != "-u"]
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]
-        sys.path[0] = os.getcwd()
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = argv
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-        runpy.run_path(argv[0], run_name="__main__")
+    argv = list(job["argv"][1:])  # after the interpreter's "-u"
+    try:
+        if argv[0] == "-m":  # as `python -m`, which runs the module through runpy too
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()
+            sys.modules["__main__"] = _fresh_main()  # runpy runs the module in its namespace
+            runpy._run_module_as_main(argv[1], alter_argv=True)  # type: ignore[attr-defined]
+        elif os.path.isfile(argv[0]) and not zipfile.is_zipfile(argv[0]):
+            sys.argv = argv
+            _run_script(argv[0])
+        else:  # a directory or zip file with a __main__.py
+            sys.argv = argv
+            sys.path[0] = argv[0]
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:  # as the interpreter reports it, minus this module's frames
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == this_file:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        if isinstance(exc, KeyboardInterrupt):  # python dies of SIGINT then
+            sys.stdout.flush()
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
+        sys.exit(1)
+
+
+def _fresh_main() -> Any:
+    """An empty ``__main__`` module, as the interpreter starts with (not this module)."""
+    import builtins
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__annotations__ = {}
+    main.__builtins__ = builtins  # type: ignore[attr-defined]
+    main.__spec__ = None
+    main.__package__ = None
+    return main
+
+
+def _run_script(path: str) -> None:
+    """Run the file at ``path`` as ``python PATH`` does: in a fresh ``__main__`` module
+    whose ``__file__`` is absolute, with a source loader, the ``builtins`` module as
+    ``__builtins__`` and the script's own directory (symlinks resolved) first on the path."""
+    import importlib.machinery
+
+    full = os.path.join(os.getcwd(), path)  # as CPython makes it absolute: not normalized
+    sys.path[0] = os.path.dirname(os.path.realpath(full))
+    main = _fresh_main()
+    main.__file__ = full
+    main.__cached__ = None
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", full)
+    sys.modules["__main__"] = main
+    with open(full, "rb") as fh:
+        code = compile(fh.read(), full, "exec", dont_inherit=True)
+    exec(code, main.__dict__)
 
 
 #: Imported by a standby before it waits: torch, and what torch imports lazily on first use
@@ -189,21 +251,36 @@ WARM_MODULES = ("torch", "torch._dynamo", "torch.optim", "torch.distributed",
                 "torch.nn.parallel", "launcher.hook")
 
 
+def _renice_step() -> int:
+    """How much a standby may lower its priority while it imports: 5, if it can raise it
+    back afterwards (root, or RLIMIT_NICE allows), else 0, so that its worker never runs
+    at a lower priority than torchrun's would."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    if os.geteuid() == 0 or limit == resource.RLIM_INFINITY:
+        return 5
+    return 5 if os.getpriority(os.PRIO_PROCESS, 0) >= 20 - limit else 0  # 20 - limit: lowest
+
+
 def main() -> None:
     import importlib
 
     die_with_parent()
-    os.nice(5)  # import while training runs, without slowing it much
+    niced = _renice_step()
+    if niced:
+        os.nice(niced)  # import while training runs, without slowing it much
     for module in WARM_MODULES:
         try:
             importlib.import_module(module)
         except Exception:  # a warm-up only: the worker will import what it needs itself
             logger.debug("standby could not pre-import %s", module, exc_info=True)
 
-    line = sys.stdin.buffer.readline()
+    with os.fdopen(int(sys.argv[1]), "rb") as jobs:
+        line = jobs.readline()
     if not line:
-        return  # the supervisor closed the pool
-    _run(json.loads(line))
+        return  # the supervisor closed the pool, or died
+    _run(json.loads(line), niced)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "scripts"
@@ -29,11 +30,11 @@ class Done:
 
 
 def run(cmd: Sequence[str], *, timeout: float = 120, env: Mapping[str, str] | None = None,
-        cwd: str | Path | None = None) -> Done:
+        cwd: str | Path | None = None, stdin: IO[Any] | None = None) -> Done:
     """Run ``cmd`` in its own process group; on timeout kill the group and fail."""
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=dict(env) if env is not None else None,
-                            cwd=cwd, start_new_session=True)
+                            cwd=cwd, start_new_session=True, stdin=stdin)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -20,10 +20,21 @@ PER_LAUNCH = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
 def _worker_envs(launcher: tuple[str, ...], flags: list[str], out: Path,
                  tmp_path: Path, **env: str) -> dict[int, dict[str, str]]:
     out.mkdir()
-    done = run([*launcher, *flags, str(SCRIPTS / "env_probe.py"), str(out)],
-               env=env_with(tmp_path, **env), cwd=tmp_path)
+    script = os.path.relpath(SCRIPTS / "env_probe.py", tmp_path)  # __file__ is absolute
+    stdin = tmp_path / "stdin.txt"  # the workers' stdin is the launcher's
+    stdin.touch()
+    with stdin.open() as fh:
+        done = run([*launcher, *flags, script, str(out), "-u", "x"],
+                   env=env_with(tmp_path, **env), cwd=tmp_path, stdin=fh)
     assert done.returncode == 0, done.output
     return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("env-*.json")}
+
+
+def _main_views(out: Path) -> dict[int, str]:
+    """What each worker saw of its main module, argv, path and priority (env_probe.py),
+    with its output directory (an argument) masked."""
+    return {int(p.stem.split("-")[1]): p.read_text().replace(str(out), "OUT")
+            for p in out.glob("main-*.json")}
 
 
 @pytest.mark.parametrize("flags,standby", [
@@ -50,6 +61,26 @@ def test_worker_environment_equals_torchrun(tmp_path: Path, flags: list[str],
                     "ROLE_RANK", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
                     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"):
             assert got[key] == expected[key], key
+    # a standby runs the script as `python -u SCRIPT` would: same __main__, argv, priority,
+    # stdin
+    assert _main_views(tmp_path / "gemini") == _main_views(tmp_path / "torchrun")
+
+
+def _traceback(stderr: str) -> list[str]:
+    lines = stderr.splitlines()
+    first = lines.index("Traceback (most recent call last):")
+    last = next(i for i in range(first, len(lines)) if lines[i].startswith("ValueError"))
+    return lines[first:last + 1]
+
+
+@pytest.mark.parametrize("standby", ["1", "0"])
+def test_uncaught_error_prints_the_same_traceback(tmp_path: Path, standby: str) -> None:
+    script = [str(SCRIPTS / "raise_error.py")]
+    env = env_with(tmp_path, GEMINI_STANDBY=standby)
+    ours = run([*GEMINI, "run", "--nproc-per-node", "1", *script], env=env, cwd=tmp_path)
+    theirs = run([*TORCHRUN, "--nproc-per-node", "1", *script], env=env, cwd=tmp_path)
+    assert ours.returncode == theirs.returncode == 1
+    assert _traceback(ours.stderr) == _traceback(theirs.stderr)
 
 
 def test_crash_once_is_restarted_and_succeeds(tmp_path: Path) -> None:

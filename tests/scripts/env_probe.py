@@ -1,9 +1,28 @@
-"""Worker that writes its environment to DIR/env-RANK.json (a torchrun-compatibility probe)."""
+"""Worker that writes its environment to DIR/env-RANK.json and what it sees of its own
+process (main module, argv, path, priority, stdin) to DIR/main-RANK.json: a torchrun-
+compatibility probe. Arguments after DIR are only echoed (through sys.argv)."""
 
 import json
 import os
 import sys
 
 out = sys.argv[1]
-with open(os.path.join(out, f"env-{os.environ['RANK']}.json"), "w") as fh:
+rank = os.environ["RANK"]
+with open(os.path.join(out, f"env-{rank}.json"), "w") as fh:
     json.dump(dict(os.environ), fh, sort_keys=True)
+main = {
+    "file": __file__,
+    "argv": sys.argv,
+    "path0": sys.path[0],
+    "globals": sorted(globals()),
+    "builtins": type(__builtins__).__name__,
+    "loader": type(__loader__).__name__,
+    "spec": repr(__spec__),
+    "package": repr(__package__),
+    "main_is_this_module": sys.modules["__main__"].__dict__ is globals(),
+    "nice": os.getpriority(os.PRIO_PROCESS, 0),
+    "cwd": os.getcwd(),
+    "stdin": [os.fstat(0).st_dev, os.fstat(0).st_ino],
+}
+with open(os.path.join(out, f"main-{rank}.json"), "w") as fh:
+    json.dump(main, fh, sort_keys=True)
