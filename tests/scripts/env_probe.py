@@ -13,6 +13,7 @@ with open(os.path.join(out, f"env-{rank}.json"), "w") as fh:
 main = {
     "file": __file__,
     "argv": sys.argv,
+    "orig_argv": sys.orig_argv,
     "path0": sys.path[0],
     "globals": sorted(globals()),
     "builtins": type(__builtins__).__name__,
