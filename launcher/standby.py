@@ -208,7 +208,10 @@ def _run(job: dict[str, Any], niced: int) -> None:
         while tb is not None and tb.tb_frame.f_code.co_filename == this_file:
             tb = tb.tb_next
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        if isinstance(exc, KeyboardInterrupt):  # python dies of SIGINT then
+        if isinstance(exc, KeyboardInterrupt):  # python dies of SIGINT, after atexit
+            import atexit
+
+            atexit._run_exitfuncs()
             sys.stdout.flush()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
