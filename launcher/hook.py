@@ -64,7 +64,86 @@ _warned_inactive = False
 # -- state tree <-> JSON skeleton + tensors ---------------------------------------------
 
 _SCALARS = frozenset({type(None), bool, int, float, str})
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _STR, _DUNDER = itertools.repeat(str), itertools.repeat("__")
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallelism): only once something
+    imported ``torch.distributed.tensor`` can one exist."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def _tensor_leaf(tensor: torch.Tensor, path: str, tensors: list[tuple[str, torch.Tensor]]
+                 ) -> dict[str, Any]:
+    """The skeleton node of a tensor; a DTensor is saved as its local shard plus what
+    rebuilds it around that shard (mesh, placements, global shape and stride)."""
+    if type(tensor) in _PLAIN_TENSORS or not _is_dtensor(tensor):
+        tensors.append((path, tensor))
+        return {"__tensor__": len(tensors) - 1}
+    tensors.append((path, tensor.to_local()))  # type: ignore[attr-defined]
+    return {"__dtensor__": len(tensors) - 1,
+            "mesh": _mesh_key(tensor.device_mesh),  # type: ignore[attr-defined]
+            "placements": [_placement(p, path) for p in tensor.placements],  # type: ignore[attr-defined]
+            "shape": list(tensor.shape), "stride": list(tensor.stride())}
+
+
+def _mesh_key(mesh: Any) -> str:
+    return json.dumps([mesh.device_type, mesh.mesh.tolist(), list(mesh.mesh_dim_names or [])])
+
+
+def _placement(placement: Any, path: str) -> list[Any]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if type(placement).__name__ == "_StridedShard":
+        return ["_StridedShard", placement.dim, placement.split_factor]
+    if isinstance(placement, Shard):
+        return ["Shard", placement.dim]
+    if isinstance(placement, Replicate):
+        return ["Replicate"]
+    if isinstance(placement, Partial):
+        return ["Partial", placement.reduce_op]
+    raise CheckpointError(f"cannot checkpoint {path}: DTensor placement {placement!r}")
+
+
+def _dtensor(node: dict[str, Any], local: torch.Tensor, meshes: dict[str, Any] | None
+             ) -> torch.Tensor:
+    """Rebuild a saved DTensor around its ``local`` shard, on the live mesh it was on."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if meshes is None:
+        raise CheckpointError("it holds sharded (DTensor) state, which only a restore into "
+                              "the model that saved it can rebuild")
+    mesh = meshes.get(node["mesh"])
+    if mesh is None:
+        raise CheckpointError(f"it holds a DTensor on device mesh {node['mesh']}, which "
+                              "no DTensor of the model or optimizer is on")
+    placements = []
+    for kind, *args in node["placements"]:
+        if kind == "_StridedShard":
+            placements.append(_StridedShard(args[0], split_factor=args[1]))
+        else:
+            placements.append({"Shard": Shard, "Replicate": Replicate,
+                               "Partial": Partial}[kind](*args))
+    return DTensor.from_local(local, mesh, placements, run_check=False,
+                              shape=torch.Size(node["shape"]), stride=tuple(node["stride"]))
+
+
+def _live_meshes(*trees: Any) -> dict[str, Any]:
+    """The device meshes of the DTensors in ``trees`` (state dicts, parameter lists)."""
+    meshes: dict[str, Any] = {}
+    stack = list(trees)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor) and _is_dtensor(item):
+            meshes.setdefault(_mesh_key(item.device_mesh), item.device_mesh)  # type: ignore[attr-defined]
+    return meshes
 
 
 def _flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
@@ -77,17 +156,18 @@ def _flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> An
     if kind in _SCALARS:
         return obj
     if isinstance(obj, torch.Tensor):
-        tensors.append((path, obj))
-        return {"__tensor__": len(tensors) - 1}
+        return _tensor_leaf(obj, path, tensors)
     if isinstance(obj, dict):
         if all(map(isinstance, obj, _STR)) and not any(map(str.startswith, obj, _DUNDER)):
             out = {}
             for k, v in obj.items():
                 if type(v) in _SCALARS:
                     out[k] = v
-                elif isinstance(v, torch.Tensor):
+                elif type(v) in _PLAIN_TENSORS:  # the common case, without a call
                     tensors.append((f"{path}/{k}", v))
                     out[k] = {"__tensor__": len(tensors) - 1}
+                elif isinstance(v, torch.Tensor):
+                    out[k] = _tensor_leaf(v, f"{path}/{k}", tensors)
                 else:
                     out[k] = _flatten(v, f"{path}/{k}", tensors)
             return out
@@ -107,22 +187,28 @@ def _flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> An
                           f"{type(obj).__name__} (use tensors, numbers, strings, lists, dicts)")
 
 
-def _unflatten(node: Any, tensors: list[torch.Tensor]) -> Any:
+def _unflatten(node: Any, tensors: list[torch.Tensor], meshes: dict[str, Any] | None = None
+               ) -> Any:
+    """The state tree of a skeleton; DTensors are rebuilt on the live ``meshes`` (see
+    ``_live_meshes``), and None refuses them."""
     if isinstance(node, list):
-        return [_unflatten(v, tensors) for v in node]
+        return [_unflatten(v, tensors, meshes) for v in node]
     if not isinstance(node, dict):
         return node
     if "__tensor__" in node:
         return tensors[node["__tensor__"]]
+    if "__dtensor__" in node:
+        return _dtensor(node, tensors[node["__dtensor__"]], meshes)
     if "__tuple__" in node:
-        return tuple(_unflatten(v, tensors) for v in node["__tuple__"])
+        return tuple(_unflatten(v, tensors, meshes) for v in node["__tuple__"])
     if "__items__" in node:
-        return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in node["__items__"]}
+        return {_unflatten(k, tensors, meshes): _unflatten(v, tensors, meshes)
+                for k, v in node["__items__"]}
     if "__bytes__" in node:
         return base64.b64decode(node["__bytes__"])
     if "__dtype__" in node:
         return getattr(torch, node["__dtype__"])
-    return {k: _unflatten(v, tensors) for k, v in node.items()}
+    return {k: _unflatten(v, tensors, meshes) for k, v in node.items()}
 
 
 def _rng_state(kept: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -366,8 +452,11 @@ class Checkpointer:
 
     def _load(self, segment: memory.Segment, meta: dict[str, Any], step: int) -> None:
         tensors = [_slot_tensor(segment.view, entry) for entry in meta["tensors"]]
-        state = _unflatten(meta["tree"], tensors)
         try:
+            state = _unflatten(meta["tree"], tensors, _live_meshes(
+                self.model.state_dict() if self.model is not None else {},
+                [g["params"] for g in self.optimizer.param_groups]
+                if self.optimizer is not None else []))
             if self.model is not None:
                 if "model" not in state:
                     raise CheckpointError("it holds no model state")

@@ -517,3 +517,16 @@ def test_stream_verifier_rejects_bad_ranges(change: dict, error: str) -> None:
     finally:
         segment.close()
         memory.unlink_segment(segment.name)
+
+
+def test_sharded_state_outside_its_model_is_a_clear_error() -> None:
+    """A DTensor's shard can only be rebuilt on the live device mesh of the model that
+    saved it; reading such a slot on its own (gemini export) says so."""
+    node = {"__dtensor__": 0, "mesh": '["cpu", [0, 1], []]', "placements": [["Shard", 0]],
+            "shape": [4], "stride": [1]}
+    meta = {"tree": {"model": {"w": node}}, "tensors": [
+        {"path": "/model/w", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8,
+         "device": "cpu", "xxh3": None}]}
+    buf = bytearray(memory.HEADER_SIZE + memory.ALIGN)
+    with pytest.raises(CheckpointError, match=r"sharded \(DTensor\) state"):
+        hook.load_state(buf, meta)

@@ -1,0 +1,58 @@
+"""A small, deterministic FSDP2 (fully_shard) job on CPU with gloo that uses gemini's
+Checkpointer: its model and optimizer state are DTensors sharded across the ranks.
+
+  --kill RANK:STEP   SIGKILL rank RANK right after its snapshot of STEP is committed
+                     (first attempt only)
+  --out PATH         rank 0 writes the full (unsharded) model and optimizer state
+Prints "resume rank=R start=S attempt=A".
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from launcher import Checkpointer
+
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=8)
+p.add_argument("--kill", default="")
+p.add_argument("--out", default="")
+args = p.parse_args()
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+torch.manual_seed(0)
+torch.use_deterministic_algorithms(True)
+model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 4))
+for layer in model:
+    if isinstance(layer, torch.nn.Linear):
+        fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+ckpt = Checkpointer(model=model, optimizer=opt)
+start = ckpt.restore()
+print(f"resume rank={rank} start={start} attempt={attempt}", flush=True)
+kill = tuple(map(int, args.kill.split(":"))) if args.kill else None
+for step in range(start, args.steps):
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + rank))
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    ckpt.save(step)
+    if kill == (rank, step) and attempt == 0:
+        ckpt.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+ckpt.close()
+full = {f"model/{k}": v.full_tensor() for k, v in model.state_dict().items()}
+for i, state in enumerate(opt.state.values()):
+    for key, value in state.items():
+        full[f"opt/{i}/{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
+if rank == 0 and args.out:
+    torch.save(full, args.out)
+dist.destroy_process_group()
