@@ -10,6 +10,7 @@ Prints "resume rank=R start=S attempt=A".
 import argparse
 import os
 import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -56,3 +57,7 @@ for i, state in enumerate(opt.state.values()):
 if rank == 0 and args.out:
     torch.save(full, args.out)
 dist.destroy_process_group()
+# torch 2.13's FSDP2 on gloo aborts at interpreter exit about one run in four, under
+# torchrun as well ("terminate called without an active exception"): skip that teardown.
+sys.stdout.flush()
+os._exit(0)
