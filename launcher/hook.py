@@ -132,7 +132,7 @@ def _dtensor(node: dict[str, Any], local: torch.Tensor, meshes: dict[str, Any] |
 
 
 def _live_meshes(*trees: Any) -> dict[str, Any]:
-    """The device meshes of the DTensors in ``trees`` (state dicts, parameter lists)."""
+    """The device meshes of the DTensors in ``trees`` (nested lists and dicts)."""
     meshes: dict[str, Any] = {}
     stack = list(trees)
     while stack:
@@ -454,7 +454,8 @@ class Checkpointer:
         tensors = [_slot_tensor(segment.view, entry) for entry in meta["tensors"]]
         try:
             state = _unflatten(meta["tree"], tensors, _live_meshes(
-                self.model.state_dict() if self.model is not None else {},
+                [*self.model.parameters(), *self.model.buffers()]
+                if self.model is not None else [],
                 [g["params"] for g in self.optimizer.param_groups]
                 if self.optimizer is not None else []))
             if self.model is not None:

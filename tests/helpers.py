@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,17 @@ def start(cmd: Sequence[str], *, env: Mapping[str, str] | None = None,
     return subprocess.Popen(list(cmd), stdout=stdout, stderr=subprocess.STDOUT, text=True,
                             env=dict(env) if env is not None else None, cwd=cwd,
                             start_new_session=True)
+
+
+def read_lines(proc: subprocess.Popen[str], sink: list[str]) -> threading.Thread:
+    """Append ``proc``'s output lines to ``sink`` as they come, from a daemon thread."""
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sink.append(line)
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:

@@ -12,15 +12,23 @@ import os
 import random
 import re
 import signal
-import subprocess
-import threading
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from helpers import GEMINI, SCRIPTS, env_with, events, free_port, kill_group, run, start
+from helpers import (
+    GEMINI,
+    SCRIPTS,
+    env_with,
+    events,
+    free_port,
+    kill_group,
+    read_lines,
+    run,
+    start,
+)
 
 from launcher import memory
 
@@ -145,7 +153,7 @@ def test_lost_gpu_takes_the_host_out(tmp_path: Path) -> None:
     proc = start([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "3", TRAIN,
                   "--steps", "200", "--sleep", "0.1"], env=env)
     lines: list[str] = []
-    pump = _read_lines(proc, lines)
+    pump = read_lines(proc, lines)
     try:
         _wait_for(lines, r"^step 3 ")
         workers = _workers(tmp_path / "runs")
@@ -159,16 +167,6 @@ def test_lost_gpu_takes_the_host_out(tmp_path: Path) -> None:
     said = "gemini: error: GPU 1 is lost (NVML: GPU is lost): this host leaves the job\n"
     assert said in lines, "".join(lines)[-3000:]
     assert [e["event"] for e in events(tmp_path / "runs")][-2:] == ["host_unhealthy", "exit"]
-
-
-def _read_lines(proc: subprocess.Popen[str], sink: list[str]) -> threading.Thread:
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            sink.append(line)
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    return thread
 
 
 def _wait_for(lines: list[str], pattern: str, timeout: float = 120) -> re.Match[str]:
@@ -203,7 +201,7 @@ def test_random_kills_of_running_workers(tmp_path: Path, reference: dict) -> Non
                   "--steps", "12", "--sleep", "0.15", "--out", str(tmp_path / "out.pt")],
                  env=env_with(tmp_path))
     lines: list[str] = []
-    pump = _read_lines(proc, lines)
+    pump = read_lines(proc, lines)
     try:
         for attempt in range(3):
             _wait_for(lines, rf"resume rank=\d start=\d+ attempt={attempt}")
@@ -225,7 +223,7 @@ def test_signal_stops_cleanly(tmp_path: Path, signum: int) -> None:
     proc = start([*GEMINI, "run", "--nproc-per-node", "2", TRAIN, "--steps", "200",
                   "--sleep", "0.1"], env=env_with(tmp_path))
     lines: list[str] = []
-    pump = _read_lines(proc, lines)
+    pump = read_lines(proc, lines)
     try:
         _wait_for(lines, r"^step 3 ")
         assert memory.list_segments()
@@ -253,7 +251,7 @@ def test_restarted_supervisor_adopts_its_segments(tmp_path: Path, reference: dic
                TRAIN, "--steps", "12", "--sleep", "0.1", "--out", str(tmp_path / "out.pt")]
     proc = start(command, env=env_with(tmp_path))
     lines: list[str] = []
-    pump = _read_lines(proc, lines)
+    pump = read_lines(proc, lines)
     _wait_for(lines, r"^step 5 ")
     workers = _workers(tmp_path / "runs")
     kill_group(proc)

@@ -7,7 +7,6 @@ Per-rank output is compared through torch elastic's per-rank log files (--redire
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from helpers import (
     env_with,
     free_port,
     kill_group,
+    read_lines,
     run,
     start,
 )
@@ -55,7 +55,9 @@ def _launch(launcher: tuple[str, ...], nodes: int, args: list[str], tmp: Path,
     cmd = [*launcher, *flags, "--redirects", "3", "--log-dir", str(log_dir), *args]
     procs = [start(cmd, env=env_with(tmp), cwd=tmp, stdout=subprocess.PIPE)
              for _ in range(nodes)]
-    outputs = [_output(proc) for proc in procs]
+    outputs: list[list[str]] = [[] for _ in procs]
+    for proc, out in zip(procs, outputs, strict=True):
+        read_lines(proc, out)
     deadline = time.monotonic() + 240
     while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -81,18 +83,6 @@ def _launch(launcher: tuple[str, ...], nodes: int, args: list[str], tmp: Path,
         if proc.returncode != 0:
             print(f"--- {name} exited {proc.returncode}:\n{text[-3000:]}")
     return codes, log_dir
-
-
-def _output(proc: subprocess.Popen[str]) -> list[str]:
-    """The lines ``proc`` prints, collected by a thread as they come."""
-    lines: list[str] = []
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        lines.extend(proc.stdout)
-
-    threading.Thread(target=pump, daemon=True).start()
-    return lines
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
