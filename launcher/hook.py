@@ -25,6 +25,7 @@ from __future__ import annotations
 import array
 import atexit
 import base64
+import collections
 import ctypes
 import itertools
 import json
@@ -66,6 +67,10 @@ _warned_inactive = False
 _SCALARS = frozenset({type(None), bool, int, float, str})
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _STR, _DUNDER = itertools.repeat(str), itertools.repeat("__")
+_DICTS = frozenset({dict, collections.OrderedDict})
+_TABLE_KEYS = frozenset({int, str})
+_json_str = json.encoder.encode_basestring_ascii
+_META_FRAME = 256  # metadata bytes besides the tree and the tensor records (step, block)
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -187,6 +192,57 @@ def _flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> An
                           f"{type(obj).__name__} (use tensors, numbers, strings, lists, dicts)")
 
 
+def _encode(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]],
+            memo: dict[str, tuple[Any, str, list[str]]]) -> str:
+    """``json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))``, faster at every
+    save after the first.
+
+    A *tensor table* (a dict of plain tensors, like a model's state_dict, or of such dicts,
+    like an optimizer's per-parameter state) has a skeleton that depends only on its keys
+    and on where its tensors start in ``tensors``. ``memo`` (path -> (structure, JSON, tensor
+    paths)) keeps the last table seen at each path; a table with the same structure takes
+    its JSON from there instead of building and encoding a node per tensor. The structure
+    holds every key with its exact type, so the JSON is exactly what encoding would give.
+    """
+    if type(obj) in _DICTS:
+        structure = _table_structure(obj, len(tensors))
+        if structure is not None:
+            known = memo.get(path)
+            if known is not None and known[0] == structure:
+                values = obj.values()
+                if not structure[1]:  # a dict of dicts of tensors
+                    values = itertools.chain.from_iterable(v.values() for v in values)
+                tensors.extend(zip(known[2], values, strict=True))
+                return known[1]
+            base = len(tensors)
+            text = json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))
+            memo[path] = (structure, text, [p for p, _ in tensors[base:]])
+            return text
+        if any(type(v) in _DICTS for v in obj.values()) and all(
+                map(isinstance, obj, _STR)) and not any(map(str.startswith, obj, _DUNDER)):
+            # a dict of parts (the state, an optimizer's state_dict): encode each on its own
+            return "{" + ",".join(f"{_json_str(k)}:{_encode(v, f'{path}/{k}', tensors, memo)}"
+                                  for k, v in obj.items()) + "}"
+    return json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))
+
+
+def _table_structure(obj: dict[Any, Any], base: int) -> tuple[Any, ...] | None:
+    """What the skeleton of ``obj`` depends on, if ``obj`` is a tensor table (see
+    ``_encode``): its first tensor's index and its keys (for a dict of dicts, each key with
+    its dict's keys); None if it is not one. Outer keys of a dict of dicts must be exactly
+    int or str, so that equal keys are the same key (True == 1, but encodes otherwise)."""
+    if _PLAIN_TENSORS.issuperset(map(type, obj.values())):
+        return (base, True, tuple(obj)) if all(map(isinstance, obj, _STR)) else None
+    inner = []
+    for key, value in obj.items():
+        if type(value) not in _DICTS or type(key) not in _TABLE_KEYS or not (
+                _PLAIN_TENSORS.issuperset(map(type, value.values()))) or not all(
+                map(isinstance, value, _STR)):
+            return None
+        inner.append((key, tuple(value)))
+    return (base, False, tuple(inner))
+
+
 def _unflatten(node: Any, tensors: list[torch.Tensor], meshes: dict[str, Any] | None = None
                ) -> Any:
     """The state tree of a skeleton; DTensors are rebuilt on the live ``meshes`` (see
@@ -211,13 +267,16 @@ def _unflatten(node: Any, tensors: list[torch.Tensor], meshes: dict[str, Any] | 
     return {k: _unflatten(v, tensors, meshes) for k, v in node.items()}
 
 
-def _rng_state(kept: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _rng_state(kept: dict[str, Any]) -> dict[str, Any]:
     """The RNG states of this process. Each state goes into the same tensor of ``kept``
     (a Checkpointer's) at every call, which keeps its place, and its byte view, in the
     batched copy of small tensors instead of moving at every save."""
     version, internal, gauss = random.getstate()
-    words = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
-    state: dict[str, Any] = {"python": [version, _keep(kept, "python", words), gauss],
+    if internal != kept.get("python_internal"):  # unchanged in most training loops
+        words = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
+        _keep(kept, "python", words)
+        kept["python_internal"] = internal
+    state: dict[str, Any] = {"python": [version, kept["python"], gauss],
                              "torch": _keep(kept, "torch", torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -231,7 +290,7 @@ def _rng_state(kept: dict[str, torch.Tensor]) -> dict[str, Any]:
     return state
 
 
-def _keep(kept: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _keep(kept: dict[str, Any], name: str, tensor: torch.Tensor) -> torch.Tensor:
     mine = kept.get(name)
     if mine is None or mine.shape != tensor.shape or mine.dtype != tensor.dtype:
         mine = kept[name] = tensor.clone()
@@ -285,7 +344,8 @@ class Checkpointer:
         self._conn: socket.socket | None = None
         self._stream: Any = None
         self._layouts: list[_Layout | None] = [None, None]
-        self._rng: dict[str, torch.Tensor] = {}  # see _rng_state
+        self._rng: dict[str, Any] = {}  # see _rng_state
+        self._memo: dict[str, tuple[Any, str, list[str]]] = {}  # see _encode
         # id(segment) -> its address registered with CUDA as pinned memory (0: failed)
         self._pinned: dict[int, int] = {}
         self._closed = False
@@ -369,7 +429,7 @@ class Checkpointer:
         if not self.active or self._closed:
             return
         tensors: list[tuple[str, torch.Tensor]] = []
-        skeleton = _flatten(self._capture(), "", tensors)
+        tree = _encode(self._capture(), "", tensors, self._memo)
         event = None
         if any(t.is_cuda for _, t in tensors):
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -380,12 +440,12 @@ class Checkpointer:
             # A small CPU state is copied here: handing it to the thread costs more than
             # the copy when training keeps every core busy (the thread and the loop then
             # trade the GIL and the core back and forth for every call of the copy).
-            self._copy(step, skeleton, tensors, None)
+            self._copy(step, tree, tensors, None)
             self._wait()  # its error, if any
             return
         done = threading.Event()
         self._pending = done
-        self._worker.submit(lambda: self._copy(step, skeleton, tensors, event), done)
+        self._worker.submit(lambda: self._copy(step, tree, tensors, event), done)
 
     def wait(self) -> None:
         """Block until the last ``save`` is committed; re-raise its error, if any."""
@@ -589,17 +649,18 @@ class Checkpointer:
         else:
             segment.close()
 
-    def _copy(self, step: int, skeleton: Any, tensors: list[tuple[str, torch.Tensor]],
+    def _copy(self, step: int, tree: str, tensors: list[tuple[str, torch.Tensor]],
               event: Any) -> None:
         try:
-            self._write(step, skeleton, tensors, event)
+            self._write(step, tree, tensors, event)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
 
-    def _write(self, step: int, skeleton: Any, tensors: list[tuple[str, torch.Tensor]],
+    def _write(self, step: int, tree: str, tensors: list[tuple[str, torch.Tensor]],
                ready: Any) -> None:
+        """Copy the state (``tree``: its skeleton's JSON) into the older slot and commit it."""
         index = 0 if self._newest is None else 1 - self._newest
-        layout = self._layout_for(index, tensors, skeleton)
+        layout = self._layout_for(index, tensors, len(tree))
         self._state_bytes = layout.data_len
         buf = layout.segment.view
         memory.set_state(buf, memory.SlotState.WRITING)
@@ -613,7 +674,7 @@ class Checkpointer:
         block = {"offset": layout.block[0], "nbytes": layout.block[1] - layout.block[0],
                  "xxh3": f"{block_digest:016x}"}
         meta = (f'{{"step":{step},"tensors":[{records}],"blocks":[{json.dumps(block)}],"tree":'
-                + json.dumps(skeleton, separators=(",", ":")) + "}").encode()
+                + tree + "}").encode()
         self._seq += 1
         memory.write_commit(buf, step=step, seq=self._seq, rank=self.rank,
                             world_size=self.world_size, run_id=self.run_id,
@@ -621,13 +682,15 @@ class Checkpointer:
         self._newest = index
 
     def _layout_for(self, index: int, tensors: list[tuple[str, torch.Tensor]],
-                    skeleton: Any) -> _Layout:
-        """Where each tensor goes in slot ``index``; reused while the state keeps its shape."""
+                    tree_len: int) -> _Layout:
+        """Where each tensor goes in slot ``index``; reused while the state keeps its shape
+        and the slot has room for the metadata (``tree_len``: its tree's part), which grows
+        with values in ``extra`` like a list of losses."""
         signature = tuple((path, t.dtype, t.shape, t.device) for path, t in tensors)
         cached = self._layouts[index]
         if cached is not None and cached.signature == signature and (
             cached.segment is self._segments[index]
-        ):
+        ) and tree_len + cached.records_len + _META_FRAME <= cached.meta_room:
             return cached
         self._layouts[index] = None
         sizes = [_tensor_bytes(t) for _, t in tensors]
@@ -641,7 +704,7 @@ class Checkpointer:
                 if small[i] == first_pass:
                     offsets[i] = offset
                     offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
-        meta_estimate = len(json.dumps(skeleton)) + sum(len(p) + 200 for p, _ in tensors)
+        meta_estimate = tree_len + _META_FRAME + sum(len(p) + 200 for p, _ in tensors)
         segment = self._slot_for(index, memory.slot_size(offset, meta_estimate))
         if any(t.is_cuda for _, t in tensors):
             self._pin(segment)
@@ -687,7 +750,8 @@ class Checkpointer:
             blocks=[torch.frombuffer(buf, dtype=torch.uint8, count=end - small_at[lo],
                                      offset=memory.HEADER_SIZE + small_at[lo])
                     for lo, _, end in groups],
-            parts=parts, where=where, ptrs=[-1] * len(small_at))
+            parts=parts, where=where, ptrs=[-1] * len(small_at),
+            meta_room=segment.size - memory.HEADER_SIZE - offset, records_len=0)
         for (path, tensor), start, is_small in zip(tensors, offsets, small, strict=True):
             record = json.dumps({"path": path, "dtype": str(tensor.dtype).split(".")[-1],
                                  "shape": list(tensor.shape), "offset": start,
@@ -701,6 +765,8 @@ class Checkpointer:
             else:
                 head, tail = record.split('"@"')
                 layout.records.append((head, tail))
+        layout.records_len = sum(len(r) + 1 if isinstance(r, str) else len(r[0]) + len(r[1]) + 19
+                                 for r in layout.records)
         self._layouts[index] = layout
         return layout
 
@@ -725,6 +791,8 @@ class _Layout:
     parts: list[list[torch.Tensor]]  # each group's torch.cat inputs: byte views and padding
     where: list[tuple[int, int]]  # each small tensor's (group, index in its parts)
     ptrs: list[int]  # each small tensor's address when its byte view was made (-1: none)
+    meta_room: int  # bytes of the slot left for the metadata
+    records_len: int  # bytes of the records in the metadata, with their checksums
 
 
 class _Worker:

@@ -13,6 +13,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -85,6 +86,43 @@ def test_tree_roundtrip_keeps_types() -> None:
     assert back["model"]["n"] == 4 and torch.equal(back["model"]["sub"]["b"], torch.zeros(1))
     assert back[(1, "k")] == "tuple key"
     assert [path for path, _ in tensors] == ["/t", "/model/w", "/model/sub/b"]
+
+
+def test_encoded_skeleton_is_the_json_of_the_skeleton_save_after_save() -> None:
+    """``_encode`` (a memo of tensor tables) gives exactly the JSON and the tensor list of
+    ``_flatten`` at every save, also when a table's keys, their types or its place change."""
+    w, b, m = torch.ones(2), torch.zeros(3), torch.arange(4)
+
+    def state(model: dict[Any, Any], opt: dict[Any, Any], first: list[Any]) -> dict[str, Any]:
+        return {"rng": {"python": [3, *first, None]}, "model": model,
+                "optimizer": {"state": opt, "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
+                "extra": {"step": 5, "sampler": {"pos": 2}}}
+
+    model = {"w": w, "b": b}
+    opt = {0: {"step": m, "exp_avg": w}, 1: {"step": m, "exp_avg": b}}
+    trees = [
+        state(model, opt, []),
+        state(model, opt, []),  # every table from the memo
+        state(model, opt, [m]),  # every table one tensor later
+        state({"b": b, "w": w}, {1: opt[1], 0: opt[0]}, []),  # same keys, other order
+        state(model, {1: opt[0], 2: opt[1]}, []),
+        state(model, {True: opt[0], 2: opt[1]}, []),  # True == 1, but not the same key
+        state(model, {"0": opt[0], 1: opt[1]}, []),
+        state(model, {0: {"step": 1.0, "exp_avg": w}, 1: opt[1]}, []),  # a scalar: no table
+        state({"__w": w, "b": b}, opt, []),
+        state({**model, "c": torch.nn.Parameter(w)}, {**opt, 2: {}}, []),
+        state({}, {}, []),
+        state(model, opt, []),
+    ]
+    memo: dict[str, Any] = {}
+    for tree in trees:
+        expected: list[tuple[str, torch.Tensor]] = []
+        skeleton = json.dumps(hook._flatten(tree, "", expected), separators=(",", ":"))
+        tensors: list[tuple[str, torch.Tensor]] = []
+        assert hook._encode(tree, "", tensors, memo) == skeleton
+        assert [p for p, _ in tensors] == [p for p, _ in expected]
+        assert all(t is e for (_, t), (_, e) in zip(tensors, expected, strict=True))
+    assert set(memo) == {"/model", "/optimizer/state"}
 
 
 def test_rng_states_are_captured_into_the_same_tensors() -> None:
@@ -302,6 +340,24 @@ def test_slot_grows_without_losing_newest(supervisor: SlotServer) -> None:
     sizes = [memory.attach_segment(n).size for n in names]
     assert sizes[0] >= 1 << 20 and sizes[1] == 1 << 16
     assert owner.holdings([0], 1) == {0: [7]}
+
+
+def test_growing_metadata_gets_a_larger_slot(supervisor: SlotServer,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value of ``extra`` that grows at every step (a list of losses, say) outgrows the
+    metadata room of the first slots; the next save moves to larger ones."""
+    model, opt = _model()
+    losses: list[str] = []
+    ckpt = hook.Checkpointer(model=model, optimizer=opt, extra={"losses": losses})
+    ckpt.restore()
+    for step in range(150):  # 1 kB a step: 150 kB, more than the first slots' headroom
+        losses.append(f"{step:04}" * 250)
+        ckpt.save(step)
+    ckpt.close()
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "149")
+    extra: dict[str, Any] = {"losses": []}
+    assert hook.Checkpointer(model=model, optimizer=opt, extra=extra).restore() == 150
+    assert extra["losses"] == losses
 
 
 def test_shm_too_small_is_reported_with_sizes(supervisor: SlotServer) -> None:
