@@ -100,10 +100,15 @@ def _agent_class() -> type:
 
 def _define_agent(base: type) -> type:
     from torch._C._distributed_c10d import PrefixStore, TCPStore
+    from torch.distributed.elastic.agent.server.api import (
+        _TERMINAL_STATE_SYNC_ID as _EXIT_BARRIER,
+    )
     from torch.distributed.elastic.agent.server.api import WorkerState
 
     class GeminiAgent(base):  # type: ignore[misc]
         """LocalElasticAgent plus a per-round worker store, events and services."""
+
+        _remaining_restarts: int  # torch's
 
         def __init__(self, *args: Any, events: EventLog, host_id: str,
                      services: Sequence[SupervisorService], **kwargs: Any) -> None:
@@ -241,7 +246,40 @@ def _define_agent(base: type) -> type:
                     state=result.state.name,
                     failures=[_failure_record(rank, f) for rank, f in result.failures.items()],
                 )
+                self._give_up_if_peers_finished(worker_group)
             return result
+
+        def _give_up_if_peers_finished(self, worker_group: WorkerGroup) -> None:
+            """After a failure, end this host's run (no restart) when hosts of this round
+            have already finished their workers and the rest are too few for a new round.
+
+            A host whose workers succeeded waits in torch elastic's exit barrier and joins
+            no later round, so a restart here (a worker that failed at exit, after its
+            peers finished, say) would wait for a rendezvous that cannot fill, while the
+            finished host waits for this one in its barrier: both for minutes. Instead this
+            host counts itself into the barrier and fails at once, as with no restarts left.
+            """
+            from torch.distributed.elastic.utils import store as store_util
+
+            key = f"{_EXIT_BARRIER}{store_util._NUM_MEMBERS}"
+            try:
+                finished = int(self._store.add(key, 0))
+            except Exception as exc:  # the store of a host that went away
+                logger.warning("cannot read the exit barrier: %s", exc)
+                return
+            world = worker_group.group_world_size
+            assert world is not None  # set by _rendezvous
+            settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
+            min_nodes = int(getattr(settings, "min_nodes", world))
+            if finished == 0 or world - finished >= min_nodes:
+                return
+            print(f"gemini: not restarting: {finished} of {world} hosts already finished "
+                  f"their workers, and a new round needs {min_nodes}", file=sys.stderr,
+                  flush=True)
+            self._events.write("no_restart", round=self._round, reason="peers_finished",
+                               finished_hosts=finished, min_nodes=min_nodes)
+            self._remaining_restarts = 0
+            store_util._barrier_nonblocking(self._store, world, _EXIT_BARRIER)
 
         def _restart_workers(self, worker_group: WorkerGroup) -> None:
             failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
