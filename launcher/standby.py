@@ -187,6 +187,8 @@ def _run(job: dict[str, Any], niced: int) -> None:
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
     sys.orig_argv = [sys.orig_argv[0], *job["argv"]]  # python's own command line
+    if "launcher.hook" in sys.modules:  # imported while waiting, without the job's variables
+        sys.modules["launcher.hook"].prefetch()
     argv = list(job["argv"][1:])  # after the interpreter's "-u"
     try:
         if argv[0] == "-m":  # as `python -m`, which runs the module through runpy too

@@ -212,6 +212,43 @@ def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.Monkey
     assert {i.valid_step for i in info} == {1, 2}
 
 
+@pytest.mark.parametrize("prefetched_step", [1, 0])
+def test_restore_uses_the_copies_prefetched_from_its_slot(
+        supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch, prefetched_step: int) -> None:
+    """A worker copies the large optimizer tensors of its restore step out of the slot in
+    the background (as a standby does when its job arrives); restore() takes those copies
+    instead of copying again, and only if they come from the slot it restores."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1100, 1100)  # a 4.8 MB weight: Adam's state of it is large
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+    for step in range(2):
+        model(torch.randn(2, 1100)).square().mean().backward()
+        opt.step()
+        ckpt.save(step)
+    ckpt.close()
+    expected = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, str(prefetched_step))
+    monkeypatch.setattr(hook, "_prefetch", None)
+    hook.prefetch()
+    prefetch = hook._prefetch
+    assert prefetch is not None
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "1")
+    model2 = torch.nn.Linear(1100, 1100)
+    opt2 = torch.optim.Adam(model2.parameters(), lr=0.1)
+    assert hook.Checkpointer(model=model2, optimizer=opt2).restore() == 2
+    assert hook._prefetch is None
+    state = opt2.state_dict()["state"][0]
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+    copies = {id(t) for t in prefetch.tensors.values()}
+    assert len(copies) == 2  # exp_avg and exp_avg_sq of the weight
+    used = {id(state["exp_avg"]), id(state["exp_avg_sq"])}
+    assert (used == copies) == (prefetched_step == 1)
+
+
 def test_small_cpu_state_is_committed_when_save_returns(supervisor: SlotServer,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt = _model()
