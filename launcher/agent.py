@@ -346,6 +346,36 @@ def launch(config: RunConfig, command: Command, *,
     group fails with no restarts left, and :class:`Interrupted` on a handled signal.
     """
     check_command(config, command)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        _launch(config, command, extra_services)
+    except SignalException as exc:  # a signal before the job started (see _handle_signals)
+        raise Interrupted(int(exc.sigval)) from None
+
+
+def _handle_signals(names: str) -> None:
+    """Turn ``names`` (torchrun's --signals-to-handle) into SignalException from now on.
+
+    torch elastic installs this handler only when it first starts workers; a supervisor
+    stopped before that (waiting for its first rendezvous, say) would die of the signal's
+    default action, with no clean-up of its memory and no exit event.
+    """
+    import signal
+    import threading
+
+    from torch.distributed.elastic.multiprocessing.api import _terminate_process_handler
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for name in names.split(","):
+        sig = getattr(signal, name.strip(), None)
+        if isinstance(sig, signal.Signals):
+            signal.signal(sig, _terminate_process_handler)
+
+
+def _launch(config: RunConfig, command: Command,
+            extra_services: Sequence[SupervisorService]) -> None:
     import torch.distributed.run as torchrun
     from torch.distributed import DistError
     from torch.distributed.elastic import events as torch_events
@@ -366,6 +396,7 @@ def launch(config: RunConfig, command: Command, *,
     args = torchrun.parse_args(torchrun_argv(config, command))  # type: ignore[no-untyped-call]
     _apply_torchrun_defaults(args, torchrun.parse_min_max_nnodes)
     launch_config, entrypoint, entry_args = torchrun.config_from_args(args)
+    _handle_signals(launch_config.signals_to_handle)
     if not launch_config.run_id:
         launch_config.run_id = str(uuid.uuid4().int)
 

@@ -182,12 +182,13 @@ class SlotOwner:
             memory.set_state(segment.view, memory.SlotState.WRITING)
             return segment
 
-    def discard_replicas_newer_than(self, step: int) -> None:
-        """Forget the replica slots holding steps after ``step`` (the step the job restores):
-        they belong to an abandoned attempt, and the same step numbers are about to be
-        trained again."""
+    def discard_newer_than(self, step: int) -> None:
+        """Forget the slots, own and replica, holding steps after ``step`` (the step the job
+        restores): they belong to an abandoned attempt, and the same step numbers are about
+        to be trained again. (A restored worker forgets its own as well, but replication
+        resumes before that and would otherwise push the abandoned step to the peers.)"""
         with self._lock:
-            for pair in self._replicas.values():
+            for pair in [*self._slots.values(), *self._replicas.values()]:
                 for segment in pair:
                     header = memory.read_header(segment.view) if segment is not None else None
                     if segment is not None and header is not None and header.step > step:
@@ -435,7 +436,7 @@ class MemoryService:
         scanned = time.monotonic()
         used = self._bring_in(plan, ranks, reports)
         restore = -1 if plan.step is None else plan.step
-        self.owner.discard_replicas_newer_than(restore)
+        self.owner.discard_newer_than(restore)
         if self.persist is not None:
             self.persist.rewind(restore)  # later files belong to the abandoned attempt
         os.environ[ENV_RESTORE_STEP] = str(restore)

@@ -234,6 +234,30 @@ def test_signal_stops_cleanly(tmp_path: Path, signum: int) -> None:
         pump.join(timeout=10)
 
 
+def test_sigterm_before_the_first_round_stops_cleanly(tmp_path: Path) -> None:
+    """A supervisor waiting for its first rendezvous (torch elastic has not installed its
+    signal handlers yet) stops on SIGTERM as later: exit 143, its memory freed."""
+    port = free_port()
+    proc = start([*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", "1",
+                  "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                  "--rdzv-id", f"early-{port}", TRAIN, "--steps", "5"], env=env_with(tmp_path))
+    try:
+        deadline = time.monotonic() + 60
+        while not [e for e in events(tmp_path / "runs") if e["event"] == "launch"]:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        key = memory.run_key(f"early-{port}")
+        assert [n for n in memory.list_segments() if key in n]  # the owner record
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not [n for n in memory.list_segments() if key in n]
+        exits = [e for e in events(tmp_path / "runs") if e["event"] == "exit"]
+        assert [e["outcome"] for e in exits] == ["interrupted"]
+    finally:
+        kill_group(proc)
+        proc.communicate(timeout=30)
+
+
 def test_failed_job_leaves_no_segments(tmp_path: Path) -> None:
     done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "1", TRAIN,
                 "--steps", "12", "--kill", "1:3:step", "--kill", "1:5:step:1"],

@@ -397,6 +397,29 @@ def test_growing_metadata_gets_a_larger_slot(supervisor: SlotServer,
     assert extra["losses"] == losses
 
 
+def test_slots_of_an_abandoned_attempt_are_forgotten_before_the_round(
+        supervisor: SlotServer) -> None:
+    """Before a round starts, the supervisor forgets every slot, own or replica, newer
+    than the step the job restores: replication, which resumes before the worker restores,
+    would otherwise push the abandoned step to the peers as this rank's newest."""
+    owner = supervisor.owner
+
+    def commit(name: str, step: int, seq: int) -> None:
+        seg = memory.attach_segment(name)
+        memory.write_commit(seg.view, step=step, seq=seq, rank=0, world_size=1,
+                            run_id=owner.run_id, data_len=0, meta=b'{"tree":{},"tensors":[]}')
+        seg.close()
+
+    own = owner.allocate(0, 1 << 16)
+    commit(own[0], 190, 1)
+    commit(own[1], 191, 2)
+    replica = owner.allocate(0, 1 << 16, replica=True)
+    commit(replica[0], 191, 2)
+    owner.discard_newer_than(190)
+    assert owner.holdings([0], 1) == {0: [190]}
+    assert owner.holdings(None, 1, replica=True) == {0: []}
+
+
 def test_shm_too_small_is_reported_with_sizes(supervisor: SlotServer) -> None:
     huge = memory.shm_free_bytes() + (1 << 30)
     with pytest.raises(StorageError, match=r"need \d+ bytes .* bytes available.*shm-size"):
