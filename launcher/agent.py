@@ -89,6 +89,7 @@ def make_agent(*args: Any, events: EventLog, host_id: str,
 
 
 _AGENT_CLASS: type | None = None
+_ROUND_ATTEMPTS = 5  # rendezvous rounds whose set-up may time out before the run fails
 
 
 def _agent_class() -> type:
@@ -123,6 +124,26 @@ def _define_agent(base: type) -> type:
             self._reported_failure = False
 
         # -- rendezvous: a fresh store for the workers of every round ------------------
+        def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+            """torch's rendezvous and start, again from the rendezvous when the round's
+            set-up times out on the store: a member that died right after the round
+            formed never publishes its part (the master address, its node slot, its
+            holdings), and the others would wait for it until the rendezvous timed out,
+            while the hosts replacing it waited for them."""
+            from torch.distributed import DistStoreError
+
+            for attempt in range(1, _ROUND_ATTEMPTS + 1):
+                try:
+                    super()._initialize_workers(worker_group)
+                    return
+                except (TimeoutError, DistStoreError) as exc:
+                    if attempt == _ROUND_ATTEMPTS:
+                        raise
+                    print(f"gemini: the set-up of rendezvous round {self._round} timed out "
+                          f"({exc}); a member is gone: rendezvous again", file=sys.stderr,
+                          flush=True)
+                    self._events.write("round_retry", round=self._round, error=str(exc))
+
         def _rendezvous(self, worker_group: WorkerGroup) -> None:
             """torch elastic's rendezvous, with stable node slots as group ranks."""
             spec = worker_group.spec

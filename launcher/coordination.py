@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 ROOT = "gemini/runs/"
 #: Agent events mirrored into the store (the full log stays in the run directory).
 STORE_EVENTS = frozenset({"launch", "worker_exit", "hang", "restart", "exit", "host_lost",
-                          "root_elected", "restore_plan", "no_restart"})
+                          "root_elected", "restore_plan", "no_restart", "round_retry"})
 
 
 def run_prefix(run_id: str) -> str:

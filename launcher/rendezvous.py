@@ -72,11 +72,13 @@ class StoreRendezvousBackend(RendezvousBackend):
 class TorchStore(_TorchStoreBase):
     """A ``torch.distributed.Store`` over a gemini store (keys under ``prefix``).
 
-    ``get`` and ``wait`` poll until the keys exist or the store's timeout passes.
+    ``get`` and ``wait`` poll until the keys exist or the store's timeout passes. The
+    agents use this store right after a round forms, when every member posts its part at
+    once; a minute without one means that member is gone (see ``GeminiAgent``).
     """
 
     def __init__(self, store: Store, prefix: str,
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=600)) -> None:
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=60)) -> None:
         super().__init__()
         self._store = store
         self._prefix = prefix
@@ -144,7 +146,9 @@ def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
         params.config.setdefault(key, value)
     store = open_store(f"etcd://{params.endpoint}")
     backend = StoreRendezvousBackend(store, params.run_id)
-    torch_store = TorchStore(store, f"gemini/rdzv/{params.run_id}/kv/")
+    # c10d's --rdzv-conf key for its store's timeout, here too
+    timeout = datetime.timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    torch_store = TorchStore(store, f"gemini/rdzv/{params.run_id}/kv/", timeout)
     return create_handler(torch_store, backend, params)
 
 
