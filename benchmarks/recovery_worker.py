@@ -16,6 +16,7 @@ import signal
 import time
 
 T_START = time.time()
+SETTLE_S = 10.0
 
 import torch  # noqa: E402
 
@@ -75,6 +76,9 @@ for step in range(start, args.kill_step + 2):
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(path + ".tmp", path)
+        # A failure hours into a run finds the supervisor settled (gemini's standby
+        # workers start importing torch 3 s after the workers): fail no sooner than that.
+        time.sleep(max(0.0, T_START + SETTLE_S - time.time()))
         if os.environ.get("BENCH_DROP_CACHES"):  # cold page cache, as after a reboot
             os.sync()
             with open("/proc/sys/vm/drop_caches", "w") as fh:

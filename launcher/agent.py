@@ -267,40 +267,41 @@ def _define_agent(base: type) -> type:
                     state=result.state.name,
                     failures=[_failure_record(rank, f) for rank, f in result.failures.items()],
                 )
-                self._give_up_if_peers_finished(worker_group)
+                self._after_failure(worker_group)
             return result
 
-        def _give_up_if_peers_finished(self, worker_group: WorkerGroup) -> None:
-            """After a failure, end this host's run (no restart) when hosts of this round
-            have already finished their workers and the rest are too few for a new round.
+        def _after_failure(self, worker_group: WorkerGroup) -> None:
+            """After a failure: skip the restart when hosts of this round have already
+            finished their workers and the rest are too few for a new round; and when this
+            host's run ends here, count it into torch elastic's exit barrier.
 
-            A host whose workers succeeded waits in torch elastic's exit barrier and joins
-            no later round, so a restart here (a worker that failed at exit, after its
-            peers finished, say) would wait for a rendezvous that cannot fill, while the
-            finished host waits for this one in its barrier: both for minutes. Instead this
-            host counts itself into the barrier and fails at once, as with no restarts left.
+            A host whose workers succeeded waits in that barrier for every host and joins
+            no later round. torch counts a host in only when its workers succeed, so a
+            failed host (a worker that failed at exit, after its peers finished, say) left
+            the finished one waiting for the barrier's timeout (300 s), or, with restarts
+            left, waited itself for a rendezvous that could not fill (600 s).
             """
             from torch.distributed.elastic.utils import store as store_util
 
-            key = f"{_EXIT_BARRIER}{store_util._NUM_MEMBERS}"
-            try:
-                finished = int(self._store.add(key, 0))
-            except Exception as exc:  # the store of a host that went away
-                logger.warning("cannot read the exit barrier: %s", exc)
-                return
             world = worker_group.group_world_size
             assert world is not None  # set by _rendezvous
-            settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
-            min_nodes = int(getattr(settings, "min_nodes", world))
-            if finished == 0 or world - finished >= min_nodes:
-                return
-            print(f"gemini: not restarting: {finished} of {world} hosts already finished "
-                  f"their workers, and a new round needs {min_nodes}", file=sys.stderr,
-                  flush=True)
-            self._events.write("no_restart", round=self._round, reason="peers_finished",
-                               finished_hosts=finished, min_nodes=min_nodes)
-            self._remaining_restarts = 0
-            store_util._barrier_nonblocking(self._store, world, _EXIT_BARRIER)
+            try:
+                if self._remaining_restarts > 0:
+                    key = f"{_EXIT_BARRIER}{store_util._NUM_MEMBERS}"
+                    finished = int(self._store.add(key, 0))
+                    settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
+                    min_nodes = int(getattr(settings, "min_nodes", world))
+                    if finished == 0 or world - finished >= min_nodes:
+                        return
+                    print(f"gemini: not restarting: {finished} of {world} hosts already "
+                          f"finished their workers, and a new round needs {min_nodes}",
+                          file=sys.stderr, flush=True)
+                    self._events.write("no_restart", round=self._round, reason="peers_finished",
+                                       finished_hosts=finished, min_nodes=min_nodes)
+                    self._remaining_restarts = 0
+                store_util._barrier_nonblocking(self._store, world, _EXIT_BARRIER)
+            except Exception as exc:  # the store of a host that went away
+                logger.warning("cannot reach the exit barrier: %s", exc)
 
         def _restart_workers(self, worker_group: WorkerGroup) -> None:
             failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)

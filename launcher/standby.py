@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import zipfile
 from typing import Any
 
@@ -86,9 +87,16 @@ class StandbyService:
     """Supervisor service: keeps the standby pool full, before the first round too, so
     that every script worker runs in a standby and dies with the supervisor."""
 
+    #: Seconds after workers start before new standbys start importing torch: at once,
+    #: they took the cores from the workers' own start (the first output of a 2-worker job
+    #: on 2 cores came 5.0 s after launch instead of 1.8 s). A failure before then
+    #: restarts cold, or waits for a standby still importing.
+    REFILL_DELAY = 3.0
+
     def __init__(self, local_world_size: int) -> None:
         self.pool = StandbyPool(local_world_size)
         self.enabled = install(self.pool)
+        self._refill_at: float | None = None
         if not self.enabled:
             logger.info("standby workers unavailable with this torch version")
 
@@ -97,16 +105,16 @@ class StandbyService:
             self.pool.fill()
 
     def after_start(self, group: Any) -> None:
-        if self.enabled:
-            self.pool.fill()
+        self._refill_at = time.monotonic() + self.REFILL_DELAY
 
     def after_stop(self, group: Any) -> None:
         pass
 
     def check(self) -> None:
-        # A standby that died while waiting (OOM killer, a stray signal) is replaced now,
-        # not at the next restart, which would otherwise start a cold process.
-        if self.enabled:
+        # Refill once the workers are past their start; later, a standby that died while
+        # waiting (OOM killer, a stray signal) is replaced at once, not at the next
+        # restart, which would otherwise start a cold process.
+        if self.enabled and self._refill_at is not None and time.monotonic() >= self._refill_at:
             self.pool.fill()
 
     def close(self) -> None:
@@ -271,18 +279,24 @@ def _renice_step() -> int:
 
 def main() -> None:
     import importlib
+    import select
 
     die_with_parent()
     niced = _renice_step()
     if niced:
         os.nice(niced)  # import while training runs, without slowing it much
+    job_fd = int(sys.argv[1])
     for module in WARM_MODULES:
+        if select.select([job_fd], [], [], 0)[0]:
+            # The job is here already (the first start of a run, when the standby was
+            # started a moment ago): run it now and let it import what it needs itself.
+            break
         try:
             importlib.import_module(module)
         except Exception:  # a warm-up only: the worker will import what it needs itself
             logger.debug("standby could not pre-import %s", module, exc_info=True)
 
-    with os.fdopen(int(sys.argv[1]), "rb") as jobs:
+    with os.fdopen(job_fd, "rb") as jobs:
         line = jobs.readline()
     if not line:
         return  # the supervisor closed the pool, or died

@@ -149,15 +149,19 @@ def test_two_nodes_restart_across_hosts(tmp_path: Path) -> None:
     assert "connectFullMesh" not in joined
 
 
-def test_a_failure_after_the_peers_finished_ends_every_host_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("restarts", ["3", "0"])
+def test_a_failure_after_the_peers_finished_ends_every_host_at_once(
+        tmp_path: Path, restarts: str) -> None:
     """Rank 1 fails 5 s after the job's work, when the other host's workers have exited 0
-    and that host waits in torch elastic's exit barrier. A restart could never form a
-    round (that host joins none), so torchrun waits there for minutes (the barrier's 300 s,
-    the rendezvous' 600 s); gemini fails the host at once and releases the barrier."""
+    and that host waits in torch elastic's exit barrier, which counts only hosts whose
+    workers succeeded. With restarts left, a restart could never form a round (that host
+    joins none): torchrun waits for minutes (the barrier's 300 s, the rendezvous' 600 s).
+    gemini fails the host at once; either way it counts the failed host into the barrier,
+    which releases the finished one."""
     port = free_port()
     common = ["run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "late-failure",
-              "--max-restarts", "3", "--monitor-interval", "0.2",
+              "--max-restarts", restarts, "--monitor-interval", "0.2",
               str(SCRIPTS / "fail_late.py"), "1", "5"]
     began = time.monotonic()
     nodes = [start([*GEMINI, *common], env=env_with(tmp_path, GEMINI_HOST_ID=f"host{i}"))
@@ -173,10 +177,13 @@ def test_a_failure_after_the_peers_finished_ends_every_host_at_once(tmp_path: Pa
     assert time.monotonic() - began < 60, results
     failed = [out for code, out in results if code == 1]
     assert len(failed) == 1 and sorted(code for code, _ in results) == [0, 1], results
-    assert "not restarting: 1 of 2 hosts already finished" in failed[0]
     assert "exitcode  : 3" in failed[0]
     skipped = [e for e in events(tmp_path / "runs") if e["event"] == "no_restart"]
-    assert len(skipped) == 1 and skipped[0]["reason"] == "peers_finished", skipped
+    if restarts != "0":
+        assert "not restarting: 1 of 2 hosts already finished" in failed[0]
+        assert len(skipped) == 1 and skipped[0]["reason"] == "peers_finished", skipped
+    else:
+        assert not skipped
     assert not [e for e in events(tmp_path / "runs") if e["event"] == "restart"]
 
 
