@@ -1,6 +1,6 @@
 """gemini demo: train the example GPT under `gemini run`, kill a worker, watch it recover.
 
-    python examples/demo.py [--steps 40] [--kill-after 15]
+    python examples/demo.py [--steps 120] [--kill-after 80]
 
 Runs two workers on this machine's CPU with the embedded defaults, SIGKILLs rank 1 after
 step --kill-after, and shows the job resuming from the in-memory checkpoint at the next
@@ -49,7 +49,7 @@ def train(tmp: Path, name: str, steps: int, kill_after: int | None) -> Path:
     run_root = tmp / name
     cmd = [*GEMINI, "--standalone", "--nproc-per-node", "2", "--max-restarts", "3",
            str(HERE / "train_gpt.py"), "--steps", str(steps), "--sleep", "0.05",
-           "--save-weights", str(weights)]
+           "--log-every", "5", "--save-weights", str(weights)]
     env = dict(os.environ, GEMINI_RUN_ROOT=str(run_root), PYTHONUNBUFFERED="1",
                PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -79,8 +79,10 @@ def train(tmp: Path, name: str, steps: int, kill_after: int | None) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--kill-after", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=120)
+    # late enough that the supervisor has its standby workers ready (3 s after the start),
+    # as it has when a failure comes hours into a run
+    parser.add_argument("--kill-after", type=int, default=80)
     args = parser.parse_args()
     import torch
 
