@@ -84,8 +84,9 @@ class StandbyPool:
 
 
 class StandbyService:
-    """Supervisor service: keeps the standby pool full, before the first round too, so
-    that every script worker runs in a standby and dies with the supervisor."""
+    """Supervisor service: fills the standby pool before the first round, so that the
+    first workers run in standbys and die with the supervisor, and again from
+    ``REFILL_DELAY`` seconds after each start of workers."""
 
     #: Seconds after workers start before new standbys start importing torch: at once,
     #: they took the cores from the workers' own start (the first output of a 2-worker job
