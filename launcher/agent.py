@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -92,6 +93,15 @@ _AGENT_CLASS: type | None = None
 _ROUND_ATTEMPTS = 5  # rendezvous rounds whose set-up may time out before the run fails
 
 
+class _RoundClosed(Exception):  # noqa: N818 (a control-flow signal, not an error)
+    """This host's workers failed and the rendezvous closed while it restarted them: the
+    other hosts finished. ``failure`` is the failed run's RunResult."""
+
+    def __init__(self, failure: RunResult) -> None:
+        super().__init__("the rendezvous closed")
+        self.failure = failure
+
+
 def _agent_class() -> type:
     global _AGENT_CLASS
     if _AGENT_CLASS is None:
@@ -105,6 +115,16 @@ def _define_agent(base: type) -> type:
         _TERMINAL_STATE_SYNC_ID as _EXIT_BARRIER,
     )
     from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.utils.store import _NUM_MEMBERS
+
+    _EXIT_MEMBERS = _EXIT_BARRIER + _NUM_MEMBERS  # hosts counted into the exit barrier
+    _RESTARTING = _EXIT_BARRIER + "/gemini_restarting"  # hosts that restarted instead
+
+    def _min_nodes(worker_group: WorkerGroup) -> int:
+        settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
+        world = worker_group.group_world_size
+        assert world is not None  # set by _rendezvous
+        return int(getattr(settings, "min_nodes", world))
 
     class GeminiAgent(base):  # type: ignore[misc]
         """LocalElasticAgent plus a per-round worker store, events and services."""
@@ -122,6 +142,7 @@ def _define_agent(base: type) -> type:
             self._worker_store: TCPStore | None = None
             self._round_store: Store | None = None
             self._reported_failure = False
+            self._last_failure: RunResult | None = None
 
         # -- rendezvous: a fresh store for the workers of every round ------------------
         def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -261,6 +282,7 @@ def _define_agent(base: type) -> type:
                 not self._reported_failure
             ):
                 self._reported_failure = True
+                self._last_failure = result
                 self._events.write(
                     "worker_exit",
                     round=self._round,
@@ -270,28 +292,30 @@ def _define_agent(base: type) -> type:
                 self._after_failure(worker_group)
             return result
 
-        def _after_failure(self, worker_group: WorkerGroup) -> None:
-            """After a failure: skip the restart when hosts of this round have already
-            finished their workers and the rest are too few for a new round; and when this
-            host's run ends here, count it into torch elastic's exit barrier.
+        # -- the end of a run: torch elastic's exit barrier ----------------------------
+        # A host whose workers succeeded waits in that barrier for every host of the round
+        # and joins no later round. torch counts a host in only when its workers succeed,
+        # so a host whose worker failed after its peers finished (at exit, say) either left
+        # the finished ones waiting for the barrier's timeout (300 s) or, with restarts
+        # left, waited itself for a round that could not fill (600 s). gemini counts a
+        # host whose run ends in failure into the barrier; a host that restarts announces
+        # it there (_RESTARTING), and a finished host closes the rendezvous when the hosts
+        # it still waits for all restarted and cannot form a round without it.
 
-            A host whose workers succeeded waits in that barrier for every host and joins
-            no later round. torch counts a host in only when its workers succeed, so a
-            failed host (a worker that failed at exit, after its peers finished, say) left
-            the finished one waiting for the barrier's timeout (300 s), or, with restarts
-            left, waited itself for a rendezvous that could not fill (600 s).
-            """
+        def _after_failure(self, worker_group: WorkerGroup) -> None:
+            """Skip the restart when hosts of this round have already finished their
+            workers and the rest are too few for a new round; count this host into the
+            exit barrier when its run ends here, or announce its restart there."""
             from torch.distributed.elastic.utils import store as store_util
 
             world = worker_group.group_world_size
             assert world is not None  # set by _rendezvous
             try:
                 if self._remaining_restarts > 0:
-                    key = f"{_EXIT_BARRIER}{store_util._NUM_MEMBERS}"
-                    finished = int(self._store.add(key, 0))
-                    settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
-                    min_nodes = int(getattr(settings, "min_nodes", world))
+                    finished = int(self._store.add(_EXIT_MEMBERS, 0))
+                    min_nodes = _min_nodes(worker_group)
                     if finished == 0 or world - finished >= min_nodes:
+                        self._store.add(_RESTARTING, 1)
                         return
                     print(f"gemini: not restarting: {finished} of {world} hosts already "
                           f"finished their workers, and a new round needs {min_nodes}",
@@ -303,7 +327,52 @@ def _define_agent(base: type) -> type:
             except Exception as exc:  # the store of a host that went away
                 logger.warning("cannot reach the exit barrier: %s", exc)
 
+        def _exit_barrier(self) -> None:
+            """torch's exit barrier (every host of the round, for at most the exit barrier
+            timeout), which closes the rendezvous once the hosts still missing all
+            restarted after a failure and are fewer than a round needs."""
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+            from torch.distributed.elastic.utils import store as store_util
+
+            world = self._worker_group.group_world_size
+            deadline = time.monotonic() + self._exit_barrier_timeout
+            closed = False
+            self._in_exit_barrier = True
+            try:
+                last = store_util._barrier_nonblocking(self._store, world, _EXIT_BARRIER)
+                while not self._store.check([last]):
+                    if time.monotonic() > deadline:
+                        logger.error("timed out after %ss waiting for the other hosts to "
+                                     "finish their workers", self._exit_barrier_timeout)
+                        return
+                    if not closed and self._stranded(world):
+                        closed = True
+                        print("gemini: the hosts still running restarted after a failure and "
+                              "cannot form a round without this one: closing the rendezvous",
+                              file=sys.stderr, flush=True)
+                        self._events.write("close_rendezvous", round=self._round,
+                                           reason="restarting_hosts_too_few")
+                        self._worker_group.spec.rdzv_handler.set_closed()
+                    time.sleep(0.1)
+            except SignalException:
+                raise
+            except Exception:
+                logger.exception("error waiting for the other hosts to finish their workers")
+            finally:
+                self._in_exit_barrier = False
+
+        def _stranded(self, world: int) -> bool:
+            """Whether every host of the round that has not finished restarted, too few
+            for a round of their own."""
+            finished = int(self._store.add(_EXIT_MEMBERS, 0))
+            restarting = int(self._store.add(_RESTARTING, 0))
+            return (restarting > 0 and finished + restarting >= world
+                    and world - finished < _min_nodes(self._worker_group))
+
         def _restart_workers(self, worker_group: WorkerGroup) -> None:
+            from torch.distributed.elastic.rendezvous import RendezvousClosedError
+            from torch.distributed.elastic.utils import store as store_util
+
             failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
             self._events.write(
                 "restart",
@@ -312,7 +381,22 @@ def _define_agent(base: type) -> type:
                 restart_count=self._restart_count(worker_group),
                 remaining_restarts=self._remaining_restarts,
             )
-            super()._restart_workers(worker_group)
+            round_store, world = self._store, worker_group.group_world_size
+            assert world is not None  # set by _rendezvous
+            try:
+                super()._restart_workers(worker_group)
+            except RendezvousClosedError:
+                if not failed:
+                    raise
+                print("gemini: not restarting: the other hosts finished their workers and "
+                      "closed the rendezvous", file=sys.stderr, flush=True)
+                self._events.write("no_restart", round=self._round, reason="rendezvous_closed")
+                try:
+                    store_util._barrier_nonblocking(round_store, world, _EXIT_BARRIER)
+                except Exception as exc:
+                    logger.warning("cannot reach the exit barrier: %s", exc)
+                assert self._last_failure is not None  # set with the failure
+                raise _RoundClosed(self._last_failure) from None
 
     return GeminiAgent
 
@@ -496,7 +580,10 @@ def _launch(config: RunConfig, command: Command,
                      rdzv_backend=launch_config.rdzv_backend,
                      max_restarts=launch_config.max_restarts,
                      entrypoint=_get_entrypoint_name(entrypoint, list(entry_args)))
-        result = agent.run()
+        try:
+            result = agent.run()
+        except _RoundClosed as ended:
+            result = ended.failure
         torch_events.record(agent.get_event_succeeded(), launch_config.event_log_handler)
         if result is not None and result.is_failed():
             failed = ChildFailedError(

@@ -187,6 +187,34 @@ def test_a_failure_after_the_peers_finished_ends_every_host_at_once(
     assert not [e for e in events(tmp_path / "runs") if e["event"] == "restart"]
 
 
+
+def test_peers_that_finish_while_a_host_restarts_end_its_restart(tmp_path: Path) -> None:
+    """host1's local rank 0 fails right after the job's work and host1 restarts; host0's
+    workers finish meanwhile (see the script). A finished host joins no later round, so
+    under torch elastic host1 waits for a round that cannot form (600 s) and host0 for
+    host1 in the exit barrier (300 s). gemini's host0 closes the rendezvous; host1 ends
+    with its failure."""
+    port = free_port()
+    common = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "finish-in-restart",
+              "--max-restarts", "3", str(SCRIPTS / "finish_during_restart.py"), "host1"]
+    began = time.monotonic()
+    nodes = [start([*GEMINI, *common], env=env_with(tmp_path, GEMINI_HOST_ID=f"host{i}"))
+             for i in range(2)]
+    try:
+        outputs = [proc.communicate(timeout=120)[0] for proc in nodes]
+    finally:
+        for proc in nodes:
+            kill_tree(proc.pid)
+    assert time.monotonic() - began < 60, outputs
+    assert [proc.returncode for proc in nodes] == [0, 1], outputs
+    assert "exitcode  : 3" in outputs[1]
+    assert "the other hosts finished their workers and closed the rendezvous" in outputs[1]
+    kinds = [(e["host"], e["event"], e.get("reason")) for e in events(tmp_path / "runs")]
+    assert ("host0", "close_rendezvous", "restarting_hosts_too_few") in kinds, kinds
+    assert ("host1", "no_restart", "rendezvous_closed") in kinds, kinds
+
+
 def _standbys(supervisor: int, workers: set[int]) -> set[int]:
     found = set()
     for child in psutil.Process(supervisor).children():
