@@ -17,12 +17,12 @@ CPU state of at most ``INLINE_BYTES``, whose copy costs less than the hand-off.
 samplers, ...), which are restored in place, or to plain values (ints, floats, strings,
 lists, dicts, tensors), which ``restore`` writes back into the same ``extra`` dict.
 
-This module imports only the standard library, torch, xxhash and ``launcher.memory``.
+This module imports only the standard library, torch, xxhash, ``launcher.memory`` and
+``launcher.rng``.
 """
 
 from __future__ import annotations
 
-import array
 import atexit
 import base64
 import collections
@@ -30,9 +30,9 @@ import ctypes
 import itertools
 import json
 import logging
+import marshal
 import os
 import queue
-import random
 import socket
 import sys
 import threading
@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import xxhash
 
-from launcher import memory
+from launcher import memory, rng
 from launcher.errors import CheckpointError, StorageError
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _STR, _DUNDER = itertools.repeat(str), itertools.repeat("__")
 _DICTS = frozenset({dict, collections.OrderedDict})
 _TABLE_KEYS = frozenset({int, str})
+_chain = itertools.chain.from_iterable
 _json_str = json.encoder.encode_basestring_ascii
 _META_FRAME = 256  # metadata bytes besides the tree and the tensor records (step, block)
 
@@ -197,12 +198,15 @@ def _encode(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]],
     """``json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))``, faster at every
     save after the first.
 
-    A *tensor table* (a dict of plain tensors, like a model's state_dict, or of such dicts,
-    like an optimizer's per-parameter state) has a skeleton that depends only on its keys
-    and on where its tensors start in ``tensors``. ``memo`` (path -> (structure, JSON, tensor
-    paths)) keeps the last table seen at each path; a table with the same structure takes
-    its JSON from there instead of building and encoding a node per tensor. The structure
-    holds every key with its exact type, so the JSON is exactly what encoding would give.
+    ``memo`` (path -> (key, JSON, tensor paths)) keeps, for each part of the state, what
+    its JSON depends on; a part whose key is the same as at the last save takes its JSON
+    from there instead of building and encoding a node per value. A part's key is exact:
+      * a *tensor table* (a dict of plain tensors, like a model's state_dict, or of such
+        dicts, like an optimizer's per-parameter state): its keys with their types and
+        where its tensors start in ``tensors`` (``_table_structure``);
+      * a part without tensors (param_groups, a scheduler's state, plain ``extra``
+        values): marshal's bytes of it, which hold every value with its exact type
+        (True, 1 and 1.0 differ; a subclass is refused), in order, floats bit for bit.
     """
     if type(obj) in _DICTS:
         structure = _table_structure(obj, len(tensors))
@@ -211,7 +215,7 @@ def _encode(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]],
             if known is not None and known[0] == structure:
                 values = obj.values()
                 if not structure[1]:  # a dict of dicts of tensors
-                    values = itertools.chain.from_iterable(v.values() for v in values)
+                    values = _chain(map(dict.values, values))
                 tensors.extend(zip(known[2], values, strict=True))
                 return known[1]
             base = len(tensors)
@@ -223,24 +227,34 @@ def _encode(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]],
             # a dict of parts (the state, an optimizer's state_dict): encode each on its own
             return "{" + ",".join(f"{_json_str(k)}:{_encode(v, f'{path}/{k}', tensors, memo)}"
                                   for k, v in obj.items()) + "}"
-    return json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))
+    try:
+        key = marshal.dumps(obj)
+    except ValueError:  # a tensor (or an object marshal refuses) inside: no memo
+        return json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))
+    known = memo.get(path)
+    if known is not None and known[0] == key:
+        return known[1]
+    text = json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))
+    memo[path] = (key, text, [])
+    return text
 
 
 def _table_structure(obj: dict[Any, Any], base: int) -> tuple[Any, ...] | None:
     """What the skeleton of ``obj`` depends on, if ``obj`` is a tensor table (see
-    ``_encode``): its first tensor's index and its keys (for a dict of dicts, each key with
-    its dict's keys); None if it is not one. Outer keys of a dict of dicts must be exactly
-    int or str, so that equal keys are the same key (True == 1, but encodes otherwise)."""
-    if _PLAIN_TENSORS.issuperset(map(type, obj.values())):
+    ``_encode``): its first tensor's index and its keys (for a dict of dicts, each dict's
+    keys); None if it is not one. Outer keys of a dict of dicts must be exactly int or
+    str, so that equal keys are the same key (True == 1, but encodes otherwise); inner
+    keys are strings, which equal only strings. Every pass runs in C (``map``)."""
+    values = obj.values()
+    if _PLAIN_TENSORS.issuperset(map(type, values)):
         return (base, True, tuple(obj)) if all(map(isinstance, obj, _STR)) else None
-    inner = []
-    for key, value in obj.items():
-        if type(value) not in _DICTS or type(key) not in _TABLE_KEYS or not (
-                _PLAIN_TENSORS.issuperset(map(type, value.values()))) or not all(
-                map(isinstance, value, _STR)):
-            return None
-        inner.append((key, tuple(value)))
-    return (base, False, tuple(inner))
+    if not (_DICTS.issuperset(map(type, values)) and _TABLE_KEYS.issuperset(map(type, obj))
+            and _PLAIN_TENSORS.issuperset(map(type, _chain(map(dict.values, values))))):
+        return None
+    inner = tuple(map(tuple, values))
+    if not all(map(isinstance, _chain(inner), _STR)):
+        return None
+    return (base, False, tuple(obj), inner)
 
 
 def _unflatten(node: Any, tensors: list[torch.Tensor], meshes: dict[str, Any] | None = None
@@ -265,50 +279,6 @@ def _unflatten(node: Any, tensors: list[torch.Tensor], meshes: dict[str, Any] | 
     if "__dtype__" in node:
         return getattr(torch, node["__dtype__"])
     return {k: _unflatten(v, tensors, meshes) for k, v in node.items()}
-
-
-def _rng_state(kept: dict[str, Any]) -> dict[str, Any]:
-    """The RNG states of this process. Each state goes into the same tensor of ``kept``
-    (a Checkpointer's) at every call, which keeps its place, and its byte view, in the
-    batched copy of small tensors instead of moving at every save."""
-    version, internal, gauss = random.getstate()
-    if internal != kept.get("python_internal"):  # unchanged in most training loops
-        words = torch.frombuffer(array.array("q", internal), dtype=torch.int64)
-        _keep(kept, "python", words)
-        kept["python_internal"] = internal
-    state: dict[str, Any] = {"python": [version, kept["python"], gauss],
-                             "torch": _keep(kept, "torch", torch.get_rng_state())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    # torch imports numpy but not numpy.random: until something loads that, nothing can
-    # have drawn from numpy's global RNG (and reading its state costs 25 us a save).
-    numpy_random = sys.modules.get("numpy.random")
-    if numpy_random is not None:
-        kind, keys, pos, has_gauss, gauss = numpy_random.get_state()
-        state["numpy"] = [kind, _keep(kept, "numpy", torch.from_numpy(keys)), pos, has_gauss,
-                          gauss]
-    return state
-
-
-def _keep(kept: dict[str, Any], name: str, tensor: torch.Tensor) -> torch.Tensor:
-    mine = kept.get(name)
-    if mine is None or mine.shape != tensor.shape or mine.dtype != tensor.dtype:
-        mine = kept[name] = tensor.clone()
-    else:
-        mine.copy_(tensor)
-    return mine
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal.tolist()), gauss))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    numpy = sys.modules.get("numpy")
-    if "numpy" in state and numpy is not None:
-        kind, keys, pos, has_gauss, gauss = state["numpy"]
-        numpy.random.set_state((kind, keys.numpy(), pos, has_gauss, gauss))
 
 
 def _stateful(obj: Any) -> bool:
@@ -344,7 +314,7 @@ class Checkpointer:
         self._conn: socket.socket | None = None
         self._stream: Any = None
         self._layouts: list[_Layout | None] = [None, None]
-        self._rng: dict[str, Any] = {}  # see _rng_state
+        self._rng: dict[str, Any] = {}  # see rng.capture
         self._memo: dict[str, tuple[Any, str, list[str]]] = {}  # see _encode
         # id(segment) -> its address registered with CUDA as pinned memory (0: failed)
         self._pinned: dict[int, int] = {}
@@ -434,7 +404,9 @@ class Checkpointer:
         tensors: list[tuple[str, torch.Tensor]] = []
         tree = _encode(self._capture(), "", tensors, self._memo)
         event = None
-        if any(t.is_cuda for _, t in tensors):
+        # no CUDA tensor can exist before CUDA is initialized: CPU jobs skip the scan
+        cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        if cuda and any(t.is_cuda for _, t in tensors):
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
         if self._worker is None:
@@ -494,7 +466,7 @@ class Checkpointer:
 
     # -- capture and load -----------------------------------------------------------------
     def _capture(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"rng": _rng_state(self._rng)}
+        state: dict[str, Any] = {"rng": rng.capture(self._rng)}
         if self.model is not None:
             # Parameters change only in the optimizer step, which waits for the copy;
             # buffers (batch-norm statistics, ...) change in forward: copy them now.
@@ -548,7 +520,7 @@ class Checkpointer:
                                   f"match the model/optimizer: {reason}") from None
         except CheckpointError as exc:
             raise CheckpointError(f"rank {self.rank}: checkpoint of step {step}: {exc}") from None
-        _set_rng_state(_clone_tensors(state["rng"]))
+        rng.restore(_clone_tensors(state["rng"]))
 
     # -- slots ----------------------------------------------------------------------------
     def _attach_existing(self) -> None:

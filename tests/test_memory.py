@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from launcher import hook, memory
+from launcher import hook, memory, rng
 from launcher.errors import CheckpointError, StorageError
 from launcher.slots import SlotOwner, SlotServer, clean, find_leftovers
 
@@ -89,14 +89,19 @@ def test_tree_roundtrip_keeps_types() -> None:
 
 
 def test_encoded_skeleton_is_the_json_of_the_skeleton_save_after_save() -> None:
-    """``_encode`` (a memo of tensor tables) gives exactly the JSON and the tensor list of
-    ``_flatten`` at every save, also when a table's keys, their types or its place change."""
+    """``_encode`` (a memo of tensor tables and of parts without tensors) gives exactly
+    the JSON and the tensor list of ``_flatten`` at every save, also when a table's keys,
+    their types or its place change, or a value of a part changes only its type."""
     w, b, m = torch.ones(2), torch.zeros(3), torch.arange(4)
 
-    def state(model: dict[Any, Any], opt: dict[Any, Any], first: list[Any]) -> dict[str, Any]:
+    def state(model: dict[Any, Any], opt: dict[Any, Any], first: list[Any],
+              lr: Any = 0.1, pos: Any = 2) -> dict[str, Any]:
         return {"rng": {"python": [3, *first, None]}, "model": model,
-                "optimizer": {"state": opt, "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
-                "extra": {"step": 5, "sampler": {"pos": 2}}}
+                "optimizer": {"state": opt, "param_groups": [{"lr": lr, "params": [0, 1]}]},
+                "extra": {"step": 5, "sampler": {"pos": pos}}}
+
+    class Text(str):
+        pass
 
     model = {"w": w, "b": b}
     opt = {0: {"step": m, "exp_avg": w}, 1: {"step": m, "exp_avg": b}}
@@ -113,6 +118,16 @@ def test_encoded_skeleton_is_the_json_of_the_skeleton_save_after_save() -> None:
         state({**model, "c": torch.nn.Parameter(w)}, {**opt, 2: {}}, []),
         state({}, {}, []),
         state(model, opt, []),
+        state(model, opt, [], lr=1),  # parts without tensors: 0.1, 1, 1.0 and True differ
+        state(model, opt, [], lr=1.0, pos=2.0),
+        state(model, opt, [], lr=True, pos=(2,)),
+        state(model, opt, [], lr=-0.0, pos=[2]),
+        state(model, opt, [], lr=0.0, pos={"a": 1, "b": 2}),
+        state(model, opt, [], lr=0.0, pos={"b": 2, "a": 1}),
+        state(model, opt, [], lr="y", pos={Text("b"): 2}),  # marshal refuses a subclass
+        state(model, opt, [], lr="x", pos={"b": 2}),
+        state(model, opt, [], lr=float("nan"), pos=m),
+        state(model, opt, [], lr=float("nan"), pos=2),
     ]
     memo: dict[str, Any] = {}
     for tree in trees:
@@ -122,7 +137,7 @@ def test_encoded_skeleton_is_the_json_of_the_skeleton_save_after_save() -> None:
         assert hook._encode(tree, "", tensors, memo) == skeleton
         assert [p for p, _ in tensors] == [p for p, _ in expected]
         assert all(t is e for (_, t), (_, e) in zip(tensors, expected, strict=True))
-    assert set(memo) == {"/model", "/optimizer/state"}
+    assert {"/model", "/optimizer/state", "/optimizer/param_groups", "/extra/sampler"} <= set(memo)
 
 
 def test_rng_states_are_captured_into_the_same_tensors() -> None:
@@ -131,14 +146,14 @@ def test_rng_states_are_captured_into_the_same_tensors() -> None:
     import random
 
     kept: dict[str, torch.Tensor] = {}
-    first = hook._rng_state(kept)
+    first = rng.capture(kept)
     python, generator = first["python"][1].clone(), first["torch"].clone()
     drawn, sampled = random.random(), torch.rand(3)
-    second = hook._rng_state(kept)
+    second = rng.capture(kept)
     assert second["python"][1] is first["python"][1] and second["torch"] is first["torch"]
     assert not torch.equal(second["python"][1], python)
     assert not torch.equal(second["torch"], generator)
-    hook._set_rng_state({"python": [first["python"][0], python, None], "torch": generator})
+    rng.restore({"python": [first["python"][0], python, None], "torch": generator})
     assert random.random() == drawn and torch.equal(torch.rand(3), sampled)
 
 
@@ -147,19 +162,54 @@ def test_numpy_rng_state_is_kept_once_numpy_random_is_loaded() -> None:
     moment something loads it, and restored exactly."""
     code = """
 import sys
-from launcher import hook
+from launcher import rng
 assert "numpy.random" not in sys.modules, "numpy.random loaded at start"
-assert "numpy" not in hook._rng_state({})
+assert "numpy" not in rng.capture({})
 import numpy
 numpy.random.seed(7)
 numpy.random.rand(3)
-state = hook._rng_state({})
+state = rng.capture({})
 drawn = numpy.random.rand(2)
 assert not (numpy.random.rand(2) == drawn).all()
-hook._set_rng_state(state)
+rng.restore(state)
 assert (numpy.random.rand(2) == drawn).all()
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_rng_capture_equals_the_generators_getters(monkeypatch: pytest.MonkeyPatch,
+                                                   fast: bool) -> None:
+    """``rng.capture`` reads Python's and numpy's generators from their C objects (fast)
+    or through their getters (where the probe of the object layout fails): either way it
+    returns exactly what ``random.getstate()`` and ``numpy.random.get_state()`` do, through
+    draws that change every field (a cached Gaussian, a twist of the words, a reseed)."""
+    import random
+
+    import numpy
+
+    generator = numpy.random.mtrand._rand
+    if fast:  # the layouts of this Python and numpy are known: the fast path is in use
+        assert rng._probe_python(random.Random) >= 0 and rng._probe_numpy(generator) >= 0
+    else:
+        monkeypatch.setattr(rng, "_PYTHON_AT", -1)
+        monkeypatch.setitem(rng._NUMPY_GAUSS, type(generator), -1)
+    kept: dict[str, torch.Tensor] = {}
+    steps = [lambda: None, random.random, lambda: random.gauss(0, 1), lambda: random.gauss(0, 1),
+             lambda: random.getrandbits(64 * 700), lambda: random.seed(11),
+             numpy.random.random_sample, numpy.random.standard_normal,
+             numpy.random.standard_normal, lambda: numpy.random.randint(0, 9, size=2000),
+             lambda: numpy.random.seed(5), lambda: random.setstate(random.getstate())]
+    for step in steps:
+        step()
+        state = rng.capture(kept)
+        version, internal, gauss = state["python"]
+        assert (version, tuple(internal.tolist()), gauss) == random.getstate()
+        kind, keys, pos, has_gauss, numpy_gauss = numpy.random.get_state()
+        assert state["numpy"][0] == kind and (state["numpy"][1].numpy() == keys).all()
+        assert state["numpy"][2:] == [pos, has_gauss, numpy_gauss]
+    assert state["python"][1] is kept["python"] and state["numpy"][1] is kept["numpy"]
 
 
 def test_string_subclass_keys_are_strings() -> None:
