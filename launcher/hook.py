@@ -535,14 +535,8 @@ class Checkpointer:
                 self._seq = max(self._seq, header.seq)
 
     def _find(self, step: int) -> int | None:
-        best: tuple[int, int] | None = None
-        for index, segment in enumerate(self._segments):
-            header = memory.read_header(segment.view) if segment is not None else None
-            if header is not None and header.state is memory.SlotState.COMMITTED and (
-                header.step == step and (best is None or header.seq > best[1])
-            ):
-                best = (index, header.seq)
-        return best[0] if best else None
+        return _newest_holding(step, [memory.read_header(segment.view) if segment else None
+                                      for segment in self._segments])
 
     def _discard_newer_than(self, step: int) -> None:
         """Forget steps after the restored one: they belong to an abandoned attempt."""
@@ -961,35 +955,48 @@ class _Prefetch:
         return self.tensors if self.key == (name, seq) else {}
 
     def _copy(self, prefix: str, rank: int, step: int) -> None:
+        segments: list[memory.Segment | None] = []
         try:
             for index in range(2):
                 name = memory.slot_name(prefix, rank, index)
-                if not (memory.SHM_DIR / name).exists():
-                    continue
-                segment = memory.attach_segment(name, populate=False)
-                try:
-                    header = memory.read_header(segment.view)
-                    if header is None or header.state is not memory.SlotState.COMMITTED or (
-                            header.step != step) or (
-                            self.key is not None and header.seq < self.key[1]):
-                        continue
-                    meta = memory.read_meta(segment.view, header)
-                    copies = {}
-                    for i, entry in enumerate(meta["tensors"]):
-                        if entry["path"].startswith(("/optimizer/", "/extra/")) and (
-                                entry.get("device", "cpu") == "cpu"
-                                and int(entry["nbytes"]) > memory.SMALL_TENSOR):
-                            src = _slot_tensor(segment.view, entry)
-                            copies[i] = torch.empty_like(src)
-                            # a plain memcpy that releases the GIL: torch's own copy would
-                            # start a pool of compute threads for this thread
-                            ctypes.memmove(copies[i].data_ptr(), src.data_ptr(), src.nbytes)
-                    self.key, self.tensors = (name, header.seq), copies
-                finally:
-                    segment.close()
+                segments.append(memory.attach_segment(name, populate=False)
+                                if (memory.SHM_DIR / name).exists() else None)
+            headers = [memory.read_header(s.view) if s else None for s in segments]
+            newest = _newest_holding(step, headers)
+            if newest is None:
+                return
+            segment, header = segments[newest], headers[newest]
+            assert segment is not None and header is not None
+            meta = memory.read_meta(segment.view, header)
+            copies = {}
+            for i, entry in enumerate(meta["tensors"]):
+                if entry["path"].startswith(("/optimizer/", "/extra/")) and (
+                        entry.get("device", "cpu") == "cpu"
+                        and int(entry["nbytes"]) > memory.SMALL_TENSOR):
+                    src = _slot_tensor(segment.view, entry)
+                    copies[i] = torch.empty_like(src)
+                    # a plain memcpy that releases the GIL: torch's own copy would start a
+                    # pool of compute threads for this thread
+                    ctypes.memmove(copies[i].data_ptr(), src.data_ptr(), src.nbytes)
+            self.key, self.tensors = (segment.name, header.seq), copies
         except Exception:  # restore() reads the slot itself, and reports what is wrong
             logger.debug("prefetch failed", exc_info=True)
             self.key, self.tensors = None, {}
+        finally:
+            for segment in segments:
+                if segment is not None:
+                    segment.close()
+
+
+def _newest_holding(step: int, headers: list[memory.SlotHeader | None]) -> int | None:
+    """The index of the committed slot of ``step`` with the highest seq in ``headers``."""
+    best: tuple[int, int] | None = None
+    for index, header in enumerate(headers):
+        if header is not None and header.state is memory.SlotState.COMMITTED and (
+            header.step == step and (best is None or header.seq > best[1])
+        ):
+            best = (index, header.seq)
+    return best[0] if best else None
 
 
 _prefetch: _Prefetch | None = None

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from etcd_server import EtcdServer
-from helpers import GEMINI, SCRIPTS, env_with, free_port, kill_group, run, start
+from helpers import GEMINI, SCRIPTS, env_with, events, free_port, kill_group, run, start
 
 
 def _status(tmp: Path, *args: str) -> dict:
@@ -35,6 +36,40 @@ def test_single_host_status_with_the_embedded_store(tmp_path: Path) -> None:
     assert _status(tmp_path, "--run-id", "status-run")["run_id"] == "status-run"
     missing = run([*GEMINI, "status", "--run-id", "nope"], env=env_with(tmp_path))
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+
+def test_a_member_lost_as_its_round_forms_costs_one_read_timeout(tmp_path: Path) -> None:
+    """A member that dies right after the round formed never posts its part of the
+    round's set-up (its node slot); the host waits for it for --rdzv-conf read_timeout,
+    then rendezvouses again (event round_retry) and trains without it, instead of
+    failing (torch's store error) or waiting for the rendezvous' timeout."""
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # noqa: F841
+    endpoint = f"127.0.0.1:{port}"
+    member = start([sys.executable, str(SCRIPTS / "rdzv_member.py"), endpoint, "lost-member"],
+                   env=env_with(tmp_path))
+    try:
+        assert member.stdout is not None and member.stdout.readline() == "waiting\n"
+        time.sleep(1)  # in the rendezvous before the host: the round forms as the host joins
+        began = time.monotonic()
+        done = run([*GEMINI, "run", "--nnodes", "1:2", "--nproc-per-node", "1",
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                    "--rdzv-id", "lost-member", "--rdzv-conf",
+                    "read_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=2,"
+                    "last_call_timeout=5,is_host=false",
+                    str(SCRIPTS / "crash_ddp.py"), "1", "0"], env=env_with(tmp_path), timeout=120)
+        elapsed = time.monotonic() - began
+        assert member.wait(timeout=10) == -9 and "joined round" in member.stdout.read()
+    finally:
+        kill_group(member)
+    assert done.returncode == 0, done.output[-3000:]
+    assert "ok rank=0 restart=0" in done.stdout
+    kinds = [e["event"] for e in events(tmp_path / "runs")]
+    assert kinds.count("round_retry") == 1 and kinds.count("start") == 1, kinds
+    assert elapsed < 60, elapsed
 
 
 @pytest.mark.etcd
