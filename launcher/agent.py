@@ -363,7 +363,9 @@ def _define_agent(base: type) -> type:
 
         def _stranded(self, world: int) -> bool:
             """Whether every host of the round that has not finished restarted, too few
-            for a round of their own."""
+            for a round of their own (a static rendezvous cannot be closed: no)."""
+            if self._worker_group.spec.rdzv_handler.get_backend() == "static":
+                return False
             finished = int(self._store.add(_EXIT_MEMBERS, 0))
             restarting = int(self._store.add(_RESTARTING, 0))
             return (restarting > 0 and finished + restarting >= world
