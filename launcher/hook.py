@@ -808,8 +808,10 @@ class _Worker:
             _refresh_byte_views(layout, srcs, ptrs)
         # A byte view covers its tensor's bytes while the tensor is contiguous and at the
         # address it was made for (the view keeps that storage alive: no other tensor can
-        # move there); a tensor that is not contiguous has no view.
-        whole = all(map(torch.Tensor.is_contiguous, srcs))
+        # move there); a tensor that is not contiguous, or is a lazily conjugated or
+        # negated view (its bytes are not its values), has none: torch copies them all.
+        whole = all(map(torch.Tensor.is_contiguous, srcs)) and not (
+            any(map(torch.Tensor.is_conj, srcs)) or any(map(torch.Tensor.is_neg, srcs)))
         hasher = xxhash.xxh3_64()
         done = memory.HEADER_SIZE + layout.block[0]
         view = memoryview(buf)
@@ -872,7 +874,7 @@ def _refresh_byte_views(layout: _Layout, srcs: list[torch.Tensor], ptrs: list[in
     for i, (src, ptr) in enumerate(zip(srcs, ptrs, strict=True)):
         if ptr != layout.ptrs[i]:
             group, index = layout.where[i]
-            contiguous = src.is_contiguous()
+            contiguous = src.is_contiguous() and not (src.is_conj() or src.is_neg())
             layout.parts[group][index] = (src.detach().reshape(-1).view(torch.uint8)
                                           if contiguous else layout.parts[group][index][:0])
             layout.ptrs[i] = ptr if contiguous else -1
@@ -892,7 +894,8 @@ def copy_and_hash(buf: Any, start: int, tensor: torch.Tensor, nbytes: int) -> in
     src = tensor.detach()
     view = memoryview(buf)
     try:
-        if not src.is_contiguous() or src.device.type != "cpu":
+        if not src.is_contiguous() or src.device.type != "cpu" or src.is_conj() or (
+                src.is_neg()):
             dst.view(src.dtype).view(src.shape).copy_(src)
             return memory.checksum(view[start:start + nbytes])
         hasher = xxhash.xxh3_64()

@@ -534,9 +534,9 @@ def test_adoption_and_clean_of_dead_owner(run_id: str) -> None:
 
 
 def test_saves_follow_tensors_that_move(supervisor: SlotServer) -> None:
-    """Small tensors are copied through byte views cached per slot; a tensor that moves,
-    is rewritten in place, changes its strides under the same address, or is not
-    contiguous must still be saved as it is at that save."""
+    """Small tensors are copied from their addresses (memmove); a tensor that moves, is
+    rewritten in place, changes its strides under the same address, is not contiguous,
+    or is a lazily negated or conjugated view must still be saved as it is at that save."""
     model = torch.nn.Linear(4, 4)  # square: its transpose has the same shape and address
     extra = {"t": torch.arange(6.0).reshape(2, 3)}
     weight = model.weight
@@ -549,7 +549,10 @@ def test_saves_follow_tensors_that_move(supervisor: SlotServer) -> None:
 
     changes = [lambda: None, lambda: weight.data.mul_(2), transpose, lambda: None, replace,
                lambda: extra.update(t=torch.arange(6.0).reshape(3, 2).t()),  # not contiguous
-               lambda: extra.update(t=torch.arange(6.0).reshape(2, 3) + 1), transpose]
+               lambda: extra.update(t=torch.arange(6.0).reshape(2, 3) + 1), transpose,
+               lambda: setattr(weight, "data", torch.randn(4, 4)._neg_view()),
+               lambda: extra.update(t=torch.arange(6.0).reshape(2, 3) * (1 + 1j)),
+               lambda: extra.update(t=extra["t"].conj()), lambda: weight.data.mul_(3)]
     ckpt = hook.Checkpointer(model=model, extra=extra)
     ckpt.restore()
     for step, change in enumerate(changes):
@@ -570,6 +573,7 @@ def test_large_tensors_are_copied_and_hashed_in_chunks(supervisor: SlotServer,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     big = torch.nn.Linear(1100, 1100)  # 4.6 MiB of weights: copied and hashed chunk by chunk
     assert big.weight.numel() * 4 > memory.SMALL_TENSOR
+    big.weight.data = big.weight.data.clone()._neg_view()  # its bytes are not its values
     ckpt = hook.Checkpointer(model=big)
     ckpt.restore()
     ckpt.save(0)
