@@ -30,7 +30,6 @@ import ctypes
 import itertools
 import json
 import logging
-import marshal
 import os
 import queue
 import socket
@@ -198,15 +197,14 @@ def _encode(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]],
     """``json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))``, faster at every
     save after the first.
 
-    ``memo`` (path -> (key, JSON, tensor paths)) keeps, for each part of the state, what
-    its JSON depends on; a part whose key is the same as at the last save takes its JSON
-    from there instead of building and encoding a node per value. A part's key is exact:
-      * a *tensor table* (a dict of plain tensors, like a model's state_dict, or of such
-        dicts, like an optimizer's per-parameter state): its keys with their types and
-        where its tensors start in ``tensors`` (``_table_structure``);
-      * a part without tensors (param_groups, a scheduler's state, plain ``extra``
-        values): marshal's bytes of it, which hold every value with its exact type
-        (True, 1 and 1.0 differ; a subclass is refused), in order, floats bit for bit.
+    A *tensor table* (a dict of plain tensors, like a model's state_dict, or of such dicts,
+    like an optimizer's per-parameter state) has a skeleton that depends only on its keys
+    and on where its tensors start in ``tensors``. ``memo`` (path -> (structure, JSON, tensor
+    paths)) keeps the last table seen at each path; a table with the same structure takes
+    its JSON from there instead of building and encoding a node per tensor. The structure
+    holds every key with its exact type, so the JSON is exactly what encoding would give.
+    (A memo of the parts without tensors, keyed by marshal's bytes of them, halved their
+    cost on warm caches and saved nothing within a training loop: not kept.)
     """
     if type(obj) in _DICTS:
         structure = _table_structure(obj, len(tensors))
@@ -227,16 +225,7 @@ def _encode(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]],
             # a dict of parts (the state, an optimizer's state_dict): encode each on its own
             return "{" + ",".join(f"{_json_str(k)}:{_encode(v, f'{path}/{k}', tensors, memo)}"
                                   for k, v in obj.items()) + "}"
-    try:
-        key = marshal.dumps(obj)
-    except ValueError:  # a tensor (or an object marshal refuses) inside: no memo
-        return json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))
-    known = memo.get(path)
-    if known is not None and known[0] == key:
-        return known[1]
-    text = json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))
-    memo[path] = (key, text, [])
-    return text
+    return json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))
 
 
 def _table_structure(obj: dict[Any, Any], base: int) -> tuple[Any, ...] | None:
