@@ -9,6 +9,10 @@ model and a larger one:
   * same run: each run saves in every other block of 10 steps (--alternate-saves 10) and
     reports the median step with and without a save; this prints the median over
     --repeat runs of each run's ratio, which cancels the noise between runs.
+  * in save(): the median time per step that the loop spent in save() and in waits for
+    a copy (the example's `median_stall_ms`) in the runs that save every step, also as a
+    share of the step without saves: the save's own cost, without the noise of a whole
+    step (and without what the copy costs the next step in evicted caches).
 The variants take turns in every round. The last one copies the default model's state on
 the background thread (GEMINI_SAVE_INLINE_BYTES=0), as a state over 4 MiB is, instead of
 within save().
@@ -53,10 +57,14 @@ def run_example(args: list[str], extra_env: dict[str, str]) -> str:
         return done.stdout
 
 
-def step_ms(extra: list[str], env: dict[str, str], steps: int, checkpoint: bool) -> float:
+def step_ms(extra: list[str], env: dict[str, str], steps: int, checkpoint: bool
+            ) -> tuple[float, float]:
+    """A run's median step and median time within save() and waits per step (0 without
+    saves)."""
     out = run_example(["--steps", str(steps), *extra, *([] if checkpoint else ["--no-checkpoint"])],
                       env)
-    return float(re.findall(r"median_step_ms=([\d.]+)", out)[-1])
+    stall = re.findall(r"median_stall_ms=([\d.]+)", out)
+    return float(re.findall(r"median_step_ms=([\d.]+)", out)[-1]), float(stall[-1]) if stall else 0
 
 
 def same_run_ratio(extra: list[str], env: dict[str, str], steps: int) -> float:
@@ -71,25 +79,29 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
-    found: dict[str, tuple[list[float], list[float], list[float]]] = {
-        name: ([], [], []) for name in MODELS}
+    found: dict[str, tuple[list[float], list[float], list[float], list[float]]] = {
+        name: ([], [], [], []) for name in MODELS}
     for round_ in range(args.repeat):  # interleaved: drift hits every variant alike
         for name, (extra, env) in MODELS.items():
-            without, with_save, ratios = found[name]
-            without.append(step_ms(extra, env, args.steps, checkpoint=False))
-            with_save.append(step_ms(extra, env, args.steps, checkpoint=True))
+            without, with_save, ratios, stalls = found[name]
+            without.append(step_ms(extra, env, args.steps, checkpoint=False)[0])
+            step, stall = step_ms(extra, env, args.steps, checkpoint=True)
+            with_save.append(step)
+            stalls.append(stall)
             ratios.append(same_run_ratio(extra, env, args.steps))
         print(f"round {round_ + 1} of {args.repeat} measured", file=sys.stderr, flush=True)
     rows = []
-    for name, (without, with_save, ratios) in found.items():
+    for name, (without, with_save, ratios, stalls) in found.items():
         base, ours = statistics.median(without), statistics.median(with_save)
-        rows.append([name, f"{base:.2f} ms", f"{ours:.2f} ms", f"{100 * (ours / base - 1):+.1f}%",
+        stall = statistics.median(stalls)
+        rows.append([name, f"{base:.2f} ms", f"{ours:.2f} ms", f"{stall:.3f} ms",
+                     f"{100 * stall / base:.1f}%", f"{100 * (ours / base - 1):+.1f}%",
                      f"{100 * (statistics.median(ratios) - 1):+.1f}%"])
     print(f"machine: {machine()}")
     print(f"2 workers (gloo, CPU); medians over {args.repeat} runs of each run's median step "
           f"time ({args.steps} steps)\n")
-    print(table(["model", "step, no saves", "step, save every step",
-                 "overhead (separate runs)", "overhead (same run)"], rows))
+    print(table(["model", "step, no saves", "step, save every step", "in save() per step",
+                 "save() / step", "overhead (separate runs)", "overhead (same run)"], rows))
 
 
 if __name__ == "__main__":
