@@ -32,7 +32,7 @@ def capture(kept: dict[str, Any]) -> dict[str, Any]:
     """The RNG states of this process, in tensors of ``kept`` where they are large."""
     state: dict[str, Any] = {"python": _python_state(kept),
                              "torch": _keep(kept, "torch", torch.get_rng_state())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = torch.cuda.get_rng_state_all()
     # torch imports numpy but not numpy.random: until something loads that, nothing can
     # have drawn from numpy's global RNG.
@@ -141,14 +141,16 @@ def _read_numpy(generator: Any, gauss_at: int, keys: torch.Tensor) -> list[Any]:
                 ctypes.c_double.from_address(id(generator) + gauss_at + 8).value]
 
 
-_NUMPY_GAUSS: dict[type, int] = {}  # RandomState type -> offset of has_gauss; -1: unreadable
+# (RandomState type, bit generator type) -> offset of has_gauss; -1: unreadable. The bit
+# generator's type is part of the key: numpy.random.set_bit_generator can swap MT19937 out.
+_NUMPY_GAUSS: dict[tuple[type, type], int] = {}
 
 
 def _numpy_gauss_at(generator: Any) -> int:
-    kind = type(generator)
-    at = _NUMPY_GAUSS.get(kind)
+    kinds = (type(generator), type(generator._bit_generator))
+    at = _NUMPY_GAUSS.get(kinds)
     if at is None:
-        at = _NUMPY_GAUSS[kind] = _probe_numpy(generator)
+        at = _NUMPY_GAUSS[kinds] = _probe_numpy(generator)
     return at
 
 
@@ -160,6 +162,8 @@ def _probe_numpy(generator: Any) -> int:
     four function pointers) followed by an aug_bitgen_t: a pointer back to that bitgen_t,
     int has_gauss, double gauss. The probe looks for that pointer in ``generator``.
     """
+    if type(generator._bit_generator).__name__ != "MT19937":  # the only state it reads
+        return -1
     size, pointer = type(generator).__basicsize__, ctypes.sizeof(ctypes.c_void_p)
     base = id(generator)
     for at in range(object.__basicsize__ + 5 * pointer, size - 16 - pointer + 1, pointer):

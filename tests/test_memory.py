@@ -194,7 +194,8 @@ def test_rng_capture_equals_the_generators_getters(monkeypatch: pytest.MonkeyPat
         assert rng._probe_python(random.Random) >= 0 and rng._probe_numpy(generator) >= 0
     else:
         monkeypatch.setattr(rng, "_PYTHON_AT", -1)
-        monkeypatch.setitem(rng._NUMPY_GAUSS, type(generator), -1)
+        monkeypatch.setitem(rng._NUMPY_GAUSS, (type(generator), type(generator._bit_generator)),
+                            -1)
     kept: dict[str, torch.Tensor] = {}
     steps = [lambda: None, random.random, lambda: random.gauss(0, 1), lambda: random.gauss(0, 1),
              lambda: random.getrandbits(64 * 700), lambda: random.seed(11),
@@ -210,6 +211,8 @@ def test_rng_capture_equals_the_generators_getters(monkeypatch: pytest.MonkeyPat
         assert state["numpy"][0] == kind and (state["numpy"][1].numpy() == keys).all()
         assert state["numpy"][2:] == [pos, has_gauss, numpy_gauss]
     assert state["python"][1] is kept["python"] and state["numpy"][1] is kept["numpy"]
+    # another bit generator than MT19937 (numpy.random.set_bit_generator): no fast read
+    assert rng._probe_numpy(numpy.random.RandomState(numpy.random.PCG64(1))) == -1
 
 
 def test_string_subclass_keys_are_strings() -> None:
