@@ -12,10 +12,8 @@ model and a larger one:
   * in save(): the median time per step that the loop spent in save() and in waits for
     a copy (the example's `median_stall_ms`) in the runs that save every step, also as a
     share of the step without saves: the save's own cost, without the noise of a whole
-    step (and without what the copy costs the next step in evicted caches).
-The variants take turns in every round. The last one copies the default model's state on
-the background thread (GEMINI_SAVE_INLINE_BYTES=0), as a state over 4 MiB is, instead of
-within save().
+    step (and without what the save thread's work costs the training around it).
+The variants take turns in every round.
 
     python benchmarks/overhead_bench.py --repeat 5 --steps 200
 """
@@ -37,39 +35,35 @@ from common import machine, table  # noqa: E402
 
 EXAMPLE = str(HERE.parent / "examples" / "train_gpt.py")
 LARGER = ["--n-embd", "256", "--n-layer", "4", "--n-head", "8"]
-# name -> (example arguments, environment); a state under 4 MiB is copied within save(),
-# the third row copies it on the background thread instead, as a larger state is.
-MODELS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "default (0.1 M params, 1.3 MB state)": ([], {}),
-    "larger (3.2 M params, 38 MB state)": (LARGER, {}),
-    "default, copied on the thread": ([], {"GEMINI_SAVE_INLINE_BYTES": "0"}),
+# name -> example arguments
+MODELS: dict[str, list[str]] = {
+    "default (0.1 M params, 1.3 MB state)": [],
+    "larger (3.2 M params, 38 MB state)": LARGER,
 }
 
 
-def run_example(args: list[str], extra_env: dict[str, str]) -> str:
+def run_example(args: list[str]) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "gemini_cli", "run", "--standalone", "--nproc-per-node", "2",
                "--no-standby", EXAMPLE, *args]
-        env = dict(os.environ, GEMINI_RUN_ROOT=tmp, PYTHONWARNINGS="ignore", **extra_env)
+        env = dict(os.environ, GEMINI_RUN_ROOT=tmp, PYTHONWARNINGS="ignore")
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
         if done.returncode != 0 or "median_step_ms=" not in done.stdout:
             raise RuntimeError(done.stdout[-2000:] + done.stderr[-2000:])
         return done.stdout
 
 
-def step_ms(extra: list[str], env: dict[str, str], steps: int, checkpoint: bool
-            ) -> tuple[float, float]:
+def step_ms(extra: list[str], steps: int, checkpoint: bool) -> tuple[float, float]:
     """A run's median step and median time within save() and waits per step (0 without
     saves)."""
-    out = run_example(["--steps", str(steps), *extra, *([] if checkpoint else ["--no-checkpoint"])],
-                      env)
+    out = run_example(["--steps", str(steps), *extra, *([] if checkpoint else ["--no-checkpoint"])])
     stall = re.findall(r"median_stall_ms=([\d.]+)", out)
     return float(re.findall(r"median_step_ms=([\d.]+)", out)[-1]), float(stall[-1]) if stall else 0
 
 
-def same_run_ratio(extra: list[str], env: dict[str, str], steps: int) -> float:
+def same_run_ratio(extra: list[str], steps: int) -> float:
     """Median step with a save / without, from one run saving in every other 10 steps."""
-    out = run_example(["--steps", str(steps), "--alternate-saves", "10", *extra], env)
+    out = run_example(["--steps", str(steps), "--alternate-saves", "10", *extra])
     saving, plain = re.findall(r"median_saving_ms=([\d.]+) median_plain_ms=([\d.]+)", out)[-1]
     return float(saving) / float(plain)
 
@@ -82,13 +76,13 @@ def main() -> None:
     found: dict[str, tuple[list[float], list[float], list[float], list[float]]] = {
         name: ([], [], [], []) for name in MODELS}
     for round_ in range(args.repeat):  # interleaved: drift hits every variant alike
-        for name, (extra, env) in MODELS.items():
+        for name, extra in MODELS.items():
             without, with_save, ratios, stalls = found[name]
-            without.append(step_ms(extra, env, args.steps, checkpoint=False)[0])
-            step, stall = step_ms(extra, env, args.steps, checkpoint=True)
+            without.append(step_ms(extra, args.steps, checkpoint=False)[0])
+            step, stall = step_ms(extra, args.steps, checkpoint=True)
             with_save.append(step)
             stalls.append(stall)
-            ratios.append(same_run_ratio(extra, env, args.steps))
+            ratios.append(same_run_ratio(extra, args.steps))
         print(f"round {round_ + 1} of {args.repeat} measured", file=sys.stderr, flush=True)
     rows = []
     for name, (without, with_save, ratios, stalls) in found.items():

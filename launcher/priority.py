@@ -26,6 +26,16 @@ def lower_priority(nice: int) -> None:
             pass
 
 
+def idle_priority() -> None:
+    """Run the calling thread only on CPU time that nothing else wants (Linux's SCHED_IDLE;
+    where that is refused, the lowest niceness), best-effort. When such a thread holds
+    back something that waits for it, the waiter leaves its core idle, and it runs."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+    except (OSError, AttributeError):
+        lower_priority(19)
+
+
 class IdleGate:
     """Whether this host's training processes leave the CPU idle right now.
 

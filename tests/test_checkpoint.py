@@ -75,23 +75,20 @@ def _resumes(stdout: str) -> dict[int, set[int]]:
     return found
 
 
-# This small state is copied within save(); "thread" copies it on the background thread,
-# as a state over hook.INLINE_BYTES is.
-@pytest.mark.parametrize("kills,expected,copy", [
+@pytest.mark.parametrize("kills,expected", [
     # rank 1 dies inside the copy of step 4: step 3 is the newest complete step
-    (["1:4:copy"], {0: {0}, 1: {4}}, "inline"),
-    (["1:4:copy"], {0: {0}, 1: {4}}, "thread"),
+    (["1:4:copy"], {0: {0}, 1: {4}}),
     # rank 0 dies between steps, after step 6 is committed everywhere
-    (["0:6:step"], {0: {0}, 1: {7}}, "inline"),
+    (["0:6:step"], {0: {0}, 1: {7}}),
     # several failures in one run, different ranks, both kinds
-    (["1:2:copy", "0:5:step:1", "1:9:copy:2"], {0: {0}, 1: {2}, 2: {6}, 3: {9}}, "thread"),
+    (["1:2:copy", "0:5:step:1", "1:9:copy:2"], {0: {0}, 1: {2}, 2: {6}, 3: {9}}),
     # a flipped bit in rank 1's newest snapshot (step 7): fall back to step 6
-    (["1:7:flip"], {0: {0}, 1: {7}}, "inline"),
+    (["1:7:flip"], {0: {0}, 1: {7}}),
 ])
 def test_kill_resumes_bitwise(tmp_path: Path, reference: dict, kills: list[str],
-                              expected: dict[int, set[int]], copy: str) -> None:
+                              expected: dict[int, set[int]]) -> None:
     args = [arg for k in kills for arg in ("--kill", k)]
-    env = env_with(tmp_path, **({"GEMINI_SAVE_INLINE_BYTES": "0"} if copy == "thread" else {}))
+    env = env_with(tmp_path)
     done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "3", TRAIN,
                 "--steps", "12", "--out", str(tmp_path / "out.pt"), *args],
                env=env, timeout=240)

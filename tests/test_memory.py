@@ -88,6 +88,52 @@ def test_tree_roundtrip_keeps_types() -> None:
     assert [path for path, _ in tensors] == ["/t", "/model/w", "/model/sub/b"]
 
 
+class _WithExtraState(torch.nn.Linear):
+    def get_extra_state(self) -> Any:
+        return {"calls": 3}
+
+    def set_extra_state(self, state: Any) -> None:
+        pass
+
+
+def _drop_bias(module: torch.nn.Module, state: dict[str, Any], prefix: str, _: Any) -> None:
+    del state[prefix + "bias"]
+
+
+@pytest.mark.parametrize("custom", ["none", "post_hook", "pre_hook", "extra_state",
+                                    "instance_override"])
+def test_model_state_is_the_state_dict_torch_gives(custom: str) -> None:
+    """``hook._model_state`` reads plain modules' parameters and buffers itself: the same
+    keys in the same order, the same parameters and copies of the buffers, as torch's
+    ``state_dict(keep_vars=True)``, whatever a module customises."""
+    shared = torch.nn.Linear(2, 2)
+    inner = torch.nn.Sequential(shared, torch.nn.BatchNorm1d(2))
+    model = torch.nn.Sequential(shared, inner, torch.nn.Identity(), inner)
+    model.register_buffer("scratch", torch.zeros(1), persistent=False)
+    model.register_parameter("absent", None)
+    model.add_module("gone", None)
+    calls: list[str] = []
+    if custom == "post_hook":
+        inner[1].register_state_dict_post_hook(_drop_bias)
+    elif custom == "pre_hook":  # it runs (and could change the module first)
+        inner.register_state_dict_pre_hook(lambda module, prefix, keep_vars: calls.append(prefix))
+    elif custom == "extra_state":
+        inner.add_module("2", _WithExtraState(2, 2))
+    elif custom == "instance_override":
+        inner[1]._save_to_state_dict = lambda destination, prefix, keep_vars: None  # type: ignore[method-assign]
+    state = hook._model_state(model)
+    assert calls == (["1.", "3."] if custom == "pre_hook" else [])
+    expected = model.state_dict(keep_vars=True)
+    assert list(state) == list(expected)
+    for key, value in expected.items():
+        if isinstance(value, torch.nn.Parameter):
+            assert state[key] is value, key
+        elif isinstance(value, torch.Tensor):
+            assert state[key] is not value and torch.equal(state[key], value), key
+        else:
+            assert state[key] == value, key
+
+
 def test_encoded_skeleton_is_the_json_of_the_skeleton_save_after_save() -> None:
     """``_encode`` (a memo of tensor tables) gives exactly the JSON and the tensor list of
     ``_flatten`` at every save, also when a table's keys, their types or its place change,
@@ -229,11 +275,7 @@ def test_unsupported_value_is_a_clear_error() -> None:
         hook._flatten({"extra": {"x": {1, 2}}}, "", [])
 
 
-@pytest.mark.parametrize("copy", ["inline", "thread"])
-def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch,
-                              copy: str) -> None:
-    if copy == "thread":
-        monkeypatch.setenv(hook.ENV_INLINE_BYTES, "0")
+def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt = _model()
     extra = {"count": 3, "sched": torch.optim.lr_scheduler.StepLR(opt, 2)}
     ckpt = hook.Checkpointer(model=model, optimizer=opt, extra=extra)
@@ -302,30 +344,80 @@ def test_restore_uses_the_copies_prefetched_from_its_slot(
     assert (used == copies) == (prefetched_step == 1)
 
 
-def test_small_cpu_state_is_committed_when_save_returns(supervisor: SlotServer,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_snapshot_holds_the_state_as_save_found_it(supervisor: SlotServer,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save thread encodes and copies the state after save() returns; what the loop
+    may change before the next optimizer step (the groups' learning rate, buffers, extra
+    values, RNG states) is the value at save(). The thread is held until all of them
+    have changed. A learning rate held in a tensor is changed in place by schedulers."""
+    model, _ = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.1), foreach=False)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    extra = {"sched": sched, "seen": [1, 2]}
+    ckpt = hook.Checkpointer(model=model, optimizer=opt, extra=extra)
+    ckpt.restore()
+    _train(model, opt)
+    ckpt.save(0)
+    ckpt.wait()
+    _train(model, opt)
+    sched.step()
+    gate = threading.Event()
+    assert ckpt._worker is not None
+    ckpt._worker.submit(gate.wait, threading.Event())  # the thread's next job waits
+    ckpt.save(1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    lr, rng_state = opt.param_groups[0]["lr"].clone(), torch.get_rng_state()
+    sched.step()
+    opt.param_groups[0]["betas"] = (0.1, 0.2)
+    model(torch.randn(4, 8))  # batch norm's running statistics change in forward
+    extra["seen"].append(3)
+    torch.rand(3)
+    gate.set()
+    ckpt.wait()
+    ckpt.close()
+
+    model2, _ = _model()
+    opt2 = torch.optim.Adam(model2.parameters(), lr=torch.tensor(0.1), foreach=False)
+    extra2 = {"sched": torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5), "seen": []}
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "1")
+    assert hook.Checkpointer(model=model2, optimizer=opt2, extra=extra2).restore() == 2
+    for key, value in model2.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert torch.equal(opt2.param_groups[0]["lr"], lr)
+    assert opt2.param_groups[0]["betas"] == (0.9, 0.999)
+    assert extra2["seen"] == [1, 2] and extra2["sched"].last_epoch == 1
+    assert torch.equal(torch.get_rng_state(), rng_state)
+
+
+def test_the_save_thread_runs_on_idle_cpu_time(supervisor: SlotServer) -> None:
+    """A CPU job's save thread is scheduled with SCHED_IDLE: training threads go first."""
     model, opt = _model()
     ckpt = hook.Checkpointer(model=model, optimizer=opt)
     ckpt.restore()
-    ckpt.save(0)  # the state's size is not known before the first copy: on the thread
-    assert ckpt._pending is not None
-    for step in (1, 2):
-        _train(model, opt)
-        ckpt.save(step)
-        assert ckpt._pending is None
-        assert {i.valid_step for i in memory.iter_slots(supervisor.owner.prefix)} == {
-            step - 1, step}
+    ckpt.save(0)
+    ckpt.wait()
+    thread = next(t for t in threading.enumerate() if t.name == "gemini-save")
+    assert thread.native_id is not None
+    assert os.sched_getscheduler(thread.native_id) == os.SCHED_IDLE
     ckpt.close()
-    monkeypatch.setenv(hook.ENV_INLINE_BYTES, "0")
-    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+
+
+def test_a_value_that_cannot_be_saved_fails_save_or_the_next_wait(
+        supervisor: SlotServer) -> None:
+    model, opt = _model()
+    extra: dict[str, Any] = {"x": 1}
+    ckpt = hook.Checkpointer(model=model, optimizer=opt, extra=extra)
     ckpt.restore()
-    for step in (3, 4):
-        ckpt.save(step)
-        assert ckpt._pending is not None
+    extra["x"] = {1}
+    with pytest.raises(CheckpointError, match="extra/x.*set"):
+        ckpt.save(0)  # the first save encodes within save()
+    extra["x"] = 1
+    ckpt.save(0)
+    extra["x"] = {2}
+    ckpt.save(1)  # encoded on the thread: the error comes with the next wait
+    with pytest.raises(CheckpointError, match="extra/x.*set"):
+        ckpt.wait()
     ckpt.close()
-    monkeypatch.setenv(hook.ENV_INLINE_BYTES, "4M")
-    with pytest.raises(CheckpointError, match="GEMINI_SAVE_INLINE_BYTES must be a number"):
-        hook.Checkpointer(model=model, optimizer=opt)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
