@@ -15,7 +15,11 @@ model and a larger one:
     step (and without what the save thread's work costs the training around it).
 The variants take turns in every round.
 
-    python benchmarks/overhead_bench.py --repeat 5 --steps 200
+Each run of the default model trains 800 steps (about 10 s), one of the larger model
+200 (about 30 s): a run of 200 steps of the default model gives a same-run ratio that
+moves by several percent from run to run.
+
+    python benchmarks/overhead_bench.py --repeat 5
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ from common import machine, table  # noqa: E402
 
 EXAMPLE = str(HERE.parent / "examples" / "train_gpt.py")
 LARGER = ["--n-embd", "256", "--n-layer", "4", "--n-head", "8"]
-# name -> example arguments
-MODELS: dict[str, list[str]] = {
-    "default (0.1 M params, 1.3 MB state)": [],
-    "larger (3.2 M params, 38 MB state)": LARGER,
+# name -> (example arguments, steps per run)
+MODELS: dict[str, tuple[list[str], int]] = {
+    "default (0.1 M params, 1.3 MB state)": ([], 800),
+    "larger (3.2 M params, 38 MB state)": (LARGER, 200),
 }
 
 
@@ -71,18 +75,17 @@ def same_run_ratio(extra: list[str], steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=200)
     args = parser.parse_args()
     found: dict[str, tuple[list[float], list[float], list[float], list[float]]] = {
         name: ([], [], [], []) for name in MODELS}
     for round_ in range(args.repeat):  # interleaved: drift hits every variant alike
-        for name, extra in MODELS.items():
+        for name, (extra, steps) in MODELS.items():
             without, with_save, ratios, stalls = found[name]
-            without.append(step_ms(extra, args.steps, checkpoint=False)[0])
-            step, stall = step_ms(extra, args.steps, checkpoint=True)
+            without.append(step_ms(extra, steps, checkpoint=False)[0])
+            step, stall = step_ms(extra, steps, checkpoint=True)
             with_save.append(step)
             stalls.append(stall)
-            ratios.append(same_run_ratio(extra, args.steps))
+            ratios.append(same_run_ratio(extra, steps))
         print(f"round {round_ + 1} of {args.repeat} measured", file=sys.stderr, flush=True)
     rows = []
     for name, (without, with_save, ratios, stalls) in found.items():
@@ -92,10 +95,14 @@ def main() -> None:
                      f"{100 * stall / base:.1f}%", f"{100 * (ours / base - 1):+.1f}%",
                      f"{100 * (statistics.median(ratios) - 1):+.1f}%"])
     print(f"machine: {machine()}")
+    per_run = " / ".join(str(n) for _, n in MODELS.values())
     print(f"2 workers (gloo, CPU); medians over {args.repeat} runs of each run's median step "
-          f"time ({args.steps} steps)\n")
+          f"time ({per_run} steps per run)\n")
     print(table(["model", "step, no saves", "step, save every step", "in save() per step",
                  "save() / step", "overhead (separate runs)", "overhead (same run)"], rows))
+    print("\nsame-run overhead of each run, in order:")
+    for name, (_, _, ratios, _) in found.items():
+        print(f"  {name}: " + " ".join(f"{100 * (r - 1):+.1f}%" for r in ratios))
 
 
 if __name__ == "__main__":
