@@ -484,9 +484,7 @@ class Checkpointer:
     def _capture(self) -> dict[str, Any]:
         state: dict[str, Any] = {"rng": rng.capture(self._rng)}
         if self.model is not None:
-            # Parameters change only in the optimizer step, which waits for the copy;
-            # buffers (batch-norm statistics, ...) change in forward: copy them now.
-            state["model"] = _model_state(self.model)
+            state["model"] = _model_state(self.model)  # buffers copied, parameters not
         if self.optimizer is not None:
             optimizer = self.optimizer.state_dict()
             # The thread encodes the state later; schedulers and loops change the groups
@@ -799,7 +797,8 @@ class _Worker:
         self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = (
             queue.SimpleQueue())
         self._streams: dict[torch.device, Any] = {}  # a side stream per CUDA device
-        threading.Thread(target=self._run, name="gemini-save", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="gemini-save", daemon=True)
+        self.thread.start()
 
     def submit(self, job: Callable[[], None], done: threading.Event) -> None:
         self._jobs.put((job, done))

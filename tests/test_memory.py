@@ -396,7 +396,8 @@ def test_the_save_thread_runs_on_idle_cpu_time(supervisor: SlotServer) -> None:
     ckpt.restore()
     ckpt.save(0)
     ckpt.wait()
-    thread = next(t for t in threading.enumerate() if t.name == "gemini-save")
+    assert ckpt._worker is not None
+    thread = ckpt._worker.thread  # this checkpointer's, not an earlier test's
     assert thread.native_id is not None
     assert os.sched_getscheduler(thread.native_id) == os.SCHED_IDLE
     ckpt.close()
