@@ -81,7 +81,10 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--secret-file", "--secret_file"), "secret_file",
      "File with the run's replication secret.  [default: random, shared via the store]"),
     (("--replicate-every", "--replicate_every"), "replicate_every",
-     "Replicate every N-th step (the same steps on every host).  [default: 1]"),
+     "Replicate every N-th step (the same steps on every host); 0 picks N from the "
+     "time one replication takes.  [default: 0]"),
+    (("--replication-rate", "--replication_rate"), "replication_rate",
+     "Cap replication traffic at this many MB/s per push; 0: no cap.  [default: 0]"),
     (("--pace/--no-pace",), "pace",
      "Spread replication traffic over each iteration instead of bursts.  [default: pace]"),
     (("--persist-dir", "--persist_dir"), "persist_dir",

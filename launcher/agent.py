@@ -126,6 +126,19 @@ def _define_agent(base: type) -> type:
         assert world is not None  # set by _rendezvous
         return int(getattr(settings, "min_nodes", world))
 
+    def _max_nodes(worker_group: WorkerGroup) -> int:
+        settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
+        return int(getattr(settings, "max_nodes", 1 << 30))
+
+    def _round_running(handler: Any) -> bool:
+        """Whether torch's dynamic rendezvous has a complete round with hosts in it."""
+        holder = getattr(handler, "_state_holder", None)
+        if holder is None:
+            return False
+        with handler._heartbeat_lock:
+            holder.sync()
+            return bool(holder.state.complete and holder.state.participants)
+
     class GeminiAgent(base):  # type: ignore[misc]
         """LocalElasticAgent plus a per-round worker store, events and services."""
 
@@ -143,6 +156,47 @@ def _define_agent(base: type) -> type:
             self._round_store: Store | None = None
             self._reported_failure = False
             self._last_failure: RunResult | None = None
+            self._spare_noted = False
+            handler = self._worker_group.spec.rdzv_handler
+            self._waiting = handler.num_nodes_waiting
+            handler.num_nodes_waiting = self._num_nodes_waiting
+
+        # -- spares: hosts that wait while the group is full -----------------------------
+        def _num_nodes_waiting(self) -> int:
+            """torch's count of the hosts waiting for the next round, as the monitor loop
+            sees it: 0 while the group already has ``max_nodes`` hosts.
+
+            torch restarts a healthy group whenever a host waits, expecting the next
+            round to let it in; a full group cannot, and the waiting host would push an
+            original one out of the next round, which then waits and restarts the group
+            again. A spare waits until a host is lost (the survivors' restart admits it)
+            or the group can grow."""
+            waiting = int(self._waiting())
+            world = self._worker_group.group_world_size or 0
+            if waiting and world >= _max_nodes(self._worker_group):
+                if not self._spare_noted:
+                    self._spare_noted = True
+                    logger.info("%d host(s) wait for the rendezvous; the group is full "
+                                "(%d hosts): they stay spares", waiting, world)
+                    self._events.write("spares_waiting", round=self._round, waiting=waiting)
+                return 0
+            return waiting
+
+        def _next_rendezvous(self, worker_group: WorkerGroup) -> Any:
+            """torch's ``next_rendezvous``; a host that has never been in a round (a spare)
+            and times out while a round is running waits again instead of failing."""
+            from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+
+            handler = worker_group.spec.rdzv_handler
+            while True:
+                try:
+                    return handler.next_rendezvous()
+                except RendezvousTimeoutError:
+                    if self._round > 0 or not _round_running(handler):
+                        raise
+                    print("gemini: this host is a spare: the running group is full; waiting "
+                          "for a place again", file=sys.stderr, flush=True)
+                    self._events.write("spare_rejoin")
 
         # -- rendezvous: a fresh store for the workers of every round ------------------
         def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -174,7 +228,7 @@ def _define_agent(base: type) -> type:
                 # it forever unless this round's rank 0 publishes it again.
                 setattr(spec.rdzv_handler, "_bootstrap_store_info", None)  # noqa: B010
             with self.record_duration("RENDEZVOUS"):
-                rdzv_info = spec.rdzv_handler.next_rendezvous()
+                rdzv_info = self._next_rendezvous(worker_group)
             store, world_size = rdzv_info.store, rdzv_info.world_size
             self._round += 1
             # Dynamic backends hand out a store scoped to the round; the static backend's
@@ -192,9 +246,9 @@ def _define_agent(base: type) -> type:
                 workers = self._assign_worker_ranks(store, group_rank, world_size, spec)
             # WorkerGroup types these attributes as None; torch's _rendezvous sets them too.
             worker_group.workers = workers
-            worker_group.store = store  # type: ignore[assignment]
+            worker_group.store = store
             worker_group.group_rank = group_rank  # type: ignore[assignment]
-            worker_group.group_world_size = world_size  # type: ignore[assignment]
+            worker_group.group_world_size = world_size
             worker_group.master_addr = spec.master_addr or bootstrap.master_addr  # type: ignore[assignment]
             worker_group.master_port = spec.master_port or bootstrap.master_port  # type: ignore[assignment]
             if spec.rdzv_handler.use_agent_store:
@@ -608,6 +662,8 @@ def _launch(config: RunConfig, command: Command,
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
         events.write("exit", outcome=outcome)
+        if memory_service.replication is not None:
+            memory_service.replication.stop_sending()  # it uses the store, closed first
         for service in services:
             service.close()
         events.close()
@@ -633,10 +689,10 @@ def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, eve
                            "unless every host opens this same embedded store file, pass "
                            "--secret-file (the same file on every host) or an etcd --store")
         replication = ReplicationService(
-            owner, events, run_id=launch_config.run_id, replicas=config.replicas,
+            owner, events, store, run_id=launch_config.run_id, replicas=config.replicas,
             secret=load_secret(config.secret_file, store, launch_config.run_id), bind=bind,
             advertise=advertised_host(bind[0], launch_config.local_addr), pace=config.pace,
-            every=config.replicate_every)
+            every=config.replicate_every, rate_limit=config.replication_rate * 1e6)
     if config.persist_dir:
         from launcher.persist import PersistWriter
 

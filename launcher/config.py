@@ -126,9 +126,12 @@ class RunConfig:
     secret_file: str = dataclasses.field(default="", metadata={"gemini": True})
     """File holding the run's replication secret (default: one generated at random and
     shared through the coordination store)."""
-    replicate_every: int = dataclasses.field(default=1, metadata={"gemini": True})
-    """Replicate the steps that are multiples of N (the same steps on every host): less
-    traffic, at the cost of up to N steps of work when a whole host is lost."""
+    replicate_every: int = dataclasses.field(default=0, metadata={"gemini": True})
+    """Replicate the steps that are multiples of N (the same steps on every host); 0
+    chooses N from the measurements: the iterations one replication takes. A host loss
+    costs at most about 2N steps plus the few of the safety margin."""
+    replication_rate: float = dataclasses.field(default=0.0, metadata={"gemini": True})
+    """Cap on the replication traffic of one push, in MB/s (0: no cap beyond pacing)."""
     pace: bool = dataclasses.field(default=True, metadata={"gemini": True})
     """Spread replication traffic over each iteration instead of sending in bursts."""
     persist_dir: str = dataclasses.field(default="", metadata={"gemini": True})
@@ -158,7 +161,8 @@ class RunConfig:
             ("host_ttl", self.host_ttl >= 1, ">= 1 second"),
             ("hang_timeout", self.hang_timeout >= 0, ">= 0 seconds"),
             ("replicas", self.replicas >= 1, ">= 1"),
-            ("replicate_every", self.replicate_every >= 1, ">= 1"),
+            ("replicate_every", self.replicate_every >= 0, ">= 0"),
+            ("replication_rate", self.replication_rate >= 0, ">= 0 MB/s"),
             ("persist_keep", self.persist_keep >= 1, ">= 1"),
             ("node_rank", self.node_rank >= 0, ">= 0"),
             ("max_restarts", self.max_restarts >= 0, ">= 0"),

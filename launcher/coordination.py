@@ -5,6 +5,11 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
     root                    host id of the root supervisor (bound to its lease: an election)
     alive/<host>            "1", bound to the host's lease: gone within the TTL of its death
     hosts/<host>            JSON record: pid, ranks, round, restart count, last heartbeat, state
+                            ("waiting" until the host's first round: a spare; "running";
+                            "exited")
+    replication/plan        JSON: the replication round's globally restorable step s*, its
+                            next target, k and the lag (``launcher.replication.progress``)
+    replication/done/<node> JSON: the newest target node ``node`` has replicated
     ranks/<rank>            JSON: the host holding the rank and its newest step per tier
     replicas/<rank>/<host>  JSON: the newest step of ``rank`` that ``host`` keeps a replica of
     events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...)
@@ -60,7 +65,7 @@ class CoordinationService:
         self.ttl = ttl
         self.is_root = False
         self._record: dict[str, Any] = {
-            "host": host_id, "pid": os.getpid(), "started": time.time(), "state": "running",
+            "host": host_id, "pid": os.getpid(), "started": time.time(), "state": "waiting",
             "ranks": [], "round": 0, "restart_count": 0, "heartbeat": time.time(),
         }
         self._published: dict[str, Any] = {}
@@ -80,7 +85,7 @@ class CoordinationService:
     # -- the agent's hooks ----------------------------------------------------------------
     def before_start(self, group: WorkerGroup, store: object) -> None:
         with self._lock:
-            self._record.update(ranks=[w.global_rank for w in group.workers],
+            self._record.update(ranks=[w.global_rank for w in group.workers], state="running",
                                 group_rank=group.group_rank, round=self._record["round"] + 1)
 
     def after_start(self, group: WorkerGroup) -> None:
@@ -213,10 +218,20 @@ class RunStatus:
     hosts: list[dict[str, Any]] = field(default_factory=list)
     ranks: dict[int, dict[str, Any]] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
+    replication: dict[str, Any] | None = None
+    """The replication plan: ``sstar``, ``target``, ``every``, ``lag_steps``,
+    ``lag_seconds`` (None without replication)."""
+
+    @property
+    def spares(self) -> list[str]:
+        """Live hosts that wait for a place in the group (spares, or hosts before their
+        first round)."""
+        return [h["host"] for h in self.hosts if h["status"] == "waiting"]
 
     def as_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "root": self.root, "hosts": self.hosts,
                 "ranks": {str(k): v for k, v in sorted(self.ranks.items())},
+                "spares": self.spares, "replication": self.replication,
                 "events": self.events}
 
 
@@ -258,13 +273,19 @@ def read_status(store: Store, run_id: str, *, max_events: int = 20) -> RunStatus
                 record.setdefault("replicas", {})[host] = json.loads(value).get("step")
             elif kind == "events":
                 status.events.append(json.loads(value))
+            elif kind == "replication" and name == "plan":
+                status.replication = json.loads(value)
         except (ValueError, UnicodeDecodeError):
             logger.warning("unreadable store value at %s", key)
     for name, record in sorted(hosts.items()):
         state = record.get("state", "running")
         record["alive"] = name in alive
-        record["status"] = "alive" if name in alive else (
+        record["status"] = ("waiting" if state == "waiting" else "alive") if name in alive else (
             "exited" if state == "exited" else "lost")
         status.hosts.append(record)
+    if status.replication is not None:
+        for record in status.ranks.values():
+            if record.get("host") in alive:
+                record["sstar"] = status.replication.get("sstar")
     status.events = sorted(status.events, key=lambda e: e.get("ts", 0))[-max_events:]
     return status

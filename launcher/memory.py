@@ -29,7 +29,7 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -277,6 +277,29 @@ def commit_received(buf: mmap.mmap, header: SlotHeader, meta: bytes,
     write_commit(buf, step=header.step, seq=header.seq, rank=header.rank,
                  world_size=header.world_size, run_id=header.run_id,
                  data_len=header.data_len, meta=meta)
+
+
+def copy_slot(src: mmap.mmap, dst: mmap.mmap, header: SlotHeader,
+              wait: Callable[[], object] | None = None) -> bool:
+    """Copy the committed step ``header`` describes from slot ``src`` into ``dst`` (WRITING,
+    big enough), verifying each chunk while it is in the cache, and commit it there.
+    ``wait`` runs before each chunk (pacing). False, with ``dst`` left WRITING, if a writer
+    changed ``src`` meanwhile; CheckpointError if the copy does not verify."""
+    with memoryview(src) as view:
+        meta = bytes(view[header.meta_offset:header.meta_offset + header.meta_len])
+    verifier = stream_verifier(dst, header, meta)
+    with memoryview(src) as source, memoryview(dst) as target:
+        for low in range(0, header.data_len, COPY_CHUNK):
+            if wait is not None:
+                wait()
+            high = min(low + COPY_CHUNK, header.data_len)
+            target[HEADER_SIZE + low:HEADER_SIZE + high] = source[HEADER_SIZE + low:
+                                                                  HEADER_SIZE + high]
+            verifier.advance(high)
+    if not unchanged(src, header):
+        return False
+    commit_received(dst, header, meta, verifier)
+    return True
 
 
 def stream_verifier(buf: mmap.mmap, header: SlotHeader, meta: bytes) -> StreamVerifier:

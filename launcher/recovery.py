@@ -72,19 +72,45 @@ def plan_restore(available: Mapping[int, Mapping[int, Collection[Source]]],
                               for rank in range(world_size)})
 
 
+def explain_incomplete(available: Mapping[int, Mapping[int, Collection[Source]]],
+                       world_size: int) -> str:
+    """Why no step is complete for every rank: what each rank holds, and where."""
+    parts = []
+    for rank in range(world_size):
+        steps = available.get(rank, {})
+        if not steps:
+            parts.append(f"rank {rank} holds nothing")
+            continue
+        held = ", ".join(
+            f"{step} ({'/'.join(sorted({_where(s) for s in steps[step]}))})"
+            for step in sorted(steps))
+        parts.append(f"rank {rank} holds {held}")
+    return "; ".join(parts) + ": no step in common"
+
+
+def _where(source: Source) -> str:
+    return f"peer node {source.node}" if source.tier is Tier.PEER else source.tier.name.lower()
+
+
 def gather_sources(reports: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[int, list[Source]]]:
     """Turn every node's report of what it holds into ``available`` for :func:`plan_restore`.
 
     ``reports[node]`` has ``"local"`` (rank -> verified steps in the node's own slots, for
     the ranks it runs now), ``"replicas"`` (rank -> verified steps it keeps for peers) and
     ``"persist"`` (rank -> steps in the persistent tier), with ranks as strings (JSON).
+    A node's replica of a rank it runs (the copy replication keeps of the node's own
+    ranks) counts as MEMORY: it is copied into the rank's own slot without the network.
     """
     available: dict[int, dict[int, list[Source]]] = {}
     tiers = (("local", Tier.MEMORY), ("replicas", Tier.PEER), ("persist", Tier.PERSIST))
     for node, report in sorted(reports.items()):
+        own = {str(rank) for rank in report.get("local") or {}}
         for key, tier in tiers:
             for rank, steps in (report.get(key) or {}).items():
-                source = Source(tier, node if tier is Tier.PEER else -1)
+                # A host's replica of a rank it runs is the copy it keeps of its own.
+                kept = tier is Tier.PEER and str(rank) in own
+                source = Source(Tier.MEMORY) if kept else Source(tier, node if tier is Tier.PEER
+                                                                 else -1)
                 for step in steps:
                     available.setdefault(int(rank), {}).setdefault(int(step), []).append(source)
     return available

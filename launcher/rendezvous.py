@@ -170,20 +170,45 @@ def _caller_name(depth: int = 2) -> str:
 
 
 def speed_up_rendezvous(*, single_node: bool) -> None:
-    """Two costs of torch's dynamic rendezvous that a restart pays for nothing.
+    """Two costs of torch's dynamic rendezvous that a restart pays for nothing, and one
+    cause of false deaths.
 
     It names each event it records after the calling method, found with
     ``inspect.stack()``, which reads the source file of every frame on the stack: about
     0.1 s per round, after every failure. The same name from ``sys._getframe`` costs
     microseconds. And before a handler's first re-rendezvous it sleeps a random 0-0.3 s
     to spread the nodes' first attempts over time; a single-node job has no one to
-    spread against, so there it does not sleep."""
+    spread against, so there it does not sleep.
+
+    And its keep-alive timer ticks once per ``keep_alive_interval`` but writes only when
+    the last heartbeat is at least that old, so a tick that comes a moment early skips
+    a beat: heartbeats go out up to two intervals apart, and with a few seconds of delay
+    on a loaded host (or store) a live node's heartbeat is older than
+    ``keep_alive_interval * keep_alive_max_attempt``. Another node then drops it from the
+    round as dead: a spare waiting for that round is let in, and the whole group
+    restarts for nothing. Here the timer ticks twice per interval."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     dynamic_rendezvous.get_method_name = _caller_name
+    handler = dynamic_rendezvous.DynamicRendezvousHandler
+    if not getattr(handler, "_gemini_steady_keep_alive", False):
+        setattr(handler, "_start_heartbeats", _steady_heartbeats)  # noqa: B010
+        setattr(handler, "_gemini_steady_keep_alive", True)  # noqa: B010
     if single_node:
         delay = getattr(dynamic_rendezvous, "_delay")  # noqa: B009
         setattr(dynamic_rendezvous, "_delay", _no_start_skew(delay))  # noqa: B010
+
+
+def _steady_heartbeats(self: Any) -> None:
+    """torch's ``_start_heartbeats`` with the timer at half the keep-alive interval."""
+    import weakref
+
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+    interval = self._settings.keep_alive_interval / 2
+    self._keep_alive_timer = _PeriodicTimer(interval, self._keep_alive_weak, weakref.ref(self))
+    self._keep_alive_timer.set_name(f"RendezvousKeepAliveTimer_{self._this_node.local_id}")
+    self._keep_alive_timer.start()
 
 
 def _no_start_skew(delay: Any) -> Any:

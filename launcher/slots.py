@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +26,14 @@ import psutil
 from launcher import memory
 from launcher.errors import CheckpointError, GeminiError, ReplicationError, StorageError
 from launcher.events import EventLog
-from launcher.recovery import RestorePlan, Source, Tier, gather_sources, plan_restore
+from launcher.recovery import (
+    RestorePlan,
+    Source,
+    Tier,
+    explain_incomplete,
+    gather_sources,
+    plan_restore,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
@@ -75,6 +83,7 @@ class SlotOwner:
         self._lock = threading.Lock()
         self._slots: dict[int, list[memory.Segment | None]] = {}
         self._replicas: dict[int, list[memory.Segment | None]] = {}  # copies for peer hosts
+        self._pins: dict[int, int] = {}  # rank -> the replica step no write may overwrite
         for n in range(1 if fixed_host_id else 1024):
             self.host_id = host_id if n == 0 else f"{host_id}-{n}"
             self.prefix = memory.segment_prefix(run_id, self.host_id)
@@ -152,9 +161,9 @@ class SlotOwner:
 
     def _allocate(self, rank: int, nbytes: int, replica: bool) -> list[memory.Segment | None]:
         pair = (self._replicas if replica else self._slots).setdefault(rank, [None, None])
-        newest = self._newest_index(pair)
+        kept = self._kept_index(pair, self._pins.get(rank) if replica else None)
         grow = [i for i, seg in enumerate(pair)
-                if (seg is None or seg.size < nbytes) and i != newest]
+                if (seg is None or seg.size < nbytes) and i != kept]
         self._check_capacity(pair, grow, nbytes)
         for i in grow:
             old = pair[i]
@@ -169,18 +178,58 @@ class SlotOwner:
 
     def write_target(self, rank: int, nbytes: int, *, replica: bool) -> memory.Segment:
         """The slot of ``rank`` that a copy from elsewhere (a peer, a file) may overwrite:
-        one of at least ``nbytes`` that does not hold the newest committed step, already
-        marked WRITING. With ``replica`` a replica slot, else one of the rank's own slots
-        (only while no worker of this host runs)."""
+        one of at least ``nbytes``, already marked WRITING. With ``replica`` a replica
+        slot: never the one holding the rank's pinned step (see :meth:`pin`), else not
+        the one holding the newest committed step. Without, one of the rank's own slots
+        (only while no worker of this host runs), not the newest."""
         with self._lock:
             pair = self._allocate(rank, nbytes, replica)
-            newest = self._newest_index(pair)
+            kept = self._kept_index(pair, self._pins.get(rank) if replica else None)
             index = next(i for i, seg in enumerate(pair)
-                         if i != newest and seg is not None and seg.size >= nbytes)
+                         if i != kept and seg is not None and seg.size >= nbytes)
             segment = pair[index]
             assert segment is not None
             memory.set_state(segment.view, memory.SlotState.WRITING)
             return segment
+
+    def restore_kept(self, rank: int, step: int) -> None:
+        """Copy ``rank``'s committed ``step`` from this host's replica slots (the copy the
+        replication service keeps of the host's own ranks) into one of its own slots,
+        where its worker restores it, unless one holds it already; only while no worker
+        of this host runs."""
+        with self._lock:
+            if any(seg is not None and (h := memory.read_header(seg.view)) is not None
+                   and h.step == step and h.state is memory.SlotState.COMMITTED
+                   for seg in self._slots.get(rank, [])):
+                return
+            source = next((seg for seg in self._replicas.get(rank, []) if seg is not None
+                           and (h := memory.read_header(seg.view)) is not None
+                           and h.step == step and h.state is memory.SlotState.COMMITTED), None)
+        header = memory.read_header(source.view) if source is not None else None
+        if source is None or header is None:
+            raise CheckpointError(f"rank {rank}: no kept copy of step {step}")
+        target = self.write_target(rank, memory.slot_size(header.data_len, header.meta_len),
+                                   replica=False)
+        if not memory.copy_slot(source.view, target.view, header):
+            raise CheckpointError(f"rank {rank}: the kept copy of step {step} changed")
+
+    def pin(self, rank: int, step: int) -> None:
+        """Keep the replica of ``rank``'s ``step`` (the globally restorable step s*): no
+        write into this host's replica slots of ``rank`` overwrites it until a newer step
+        is pinned. Pins only move forward; :meth:`reset_pins` starts them over."""
+        with self._lock:
+            if step > self._pins.get(rank, -1):
+                self._pins[rank] = step
+
+    def pinned(self, rank: int) -> int | None:
+        with self._lock:
+            return self._pins.get(rank)
+
+    def reset_pins(self, step: int) -> None:
+        """Pin ``step`` for every rank (the step a new round restored), or nothing for a
+        negative ``step``."""
+        with self._lock:
+            self._pins = {rank: step for rank in self._replicas} if step >= 0 else {}
 
     def discard_newer_than(self, step: int) -> None:
         """Forget the slots, own and replica, holding steps after ``step`` (the step the job
@@ -247,12 +296,16 @@ class SlotOwner:
                 f"or use fewer workers per host")
 
     @staticmethod
-    def _newest_index(pair: list[memory.Segment | None]) -> int | None:
+    def _kept_index(pair: list[memory.Segment | None], pinned: int | None) -> int | None:
+        """The slot a write must not touch: the one holding the committed ``pinned`` step
+        if any does, else the one holding the newest committed step."""
         best: tuple[int, int] | None = None
         index: int | None = None
         for i, seg in enumerate(pair):
             header = memory.read_header(seg.view) if seg is not None else None
             if header is not None and header.state is memory.SlotState.COMMITTED:
+                if header.step == pinned:
+                    return i
                 key = (header.step, header.seq)
                 if best is None or key > best:
                     best, index = key, i
@@ -425,18 +478,23 @@ class MemoryService:
                         if rank in ranks} if self.persist is not None else {},
             "address": list(self.replication.address) if self.replication is not None else None,
         }
+        if node == 0 and self.replication is not None:
+            store.set("replication_round", uuid.uuid4().hex)
         store.set(f"holdings/{node}", json.dumps(report))
         reports = {peer: json.loads(store.get(f"holdings/{peer}")) for peer in range(nodes)}
         available = gather_sources(reports)
         plan = plan_restore(available, world_size)
         if plan.step is None and available:
-            logger.warning("no step is complete for every rank in any tier: the job starts "
-                           "from step 0 (replication lagged behind a lost host?)")
-            self.events.write("restore_incomplete", reports={str(k): v for k, v in reports.items()})
+            why = explain_incomplete(available, world_size)
+            logger.warning("no step is complete for every rank in any tier, so the job starts "
+                           "from step 0: %s", why)
+            self.events.write("restore_incomplete", why=why,
+                              reports={str(k): v for k, v in reports.items()})
         scanned = time.monotonic()
         used = self._bring_in(plan, ranks, reports)
         restore = -1 if plan.step is None else plan.step
         self.owner.discard_newer_than(restore)
+        self.owner.reset_pins(restore)  # kept until this round's first s*
         if self.persist is not None:
             self.persist.rewind(restore)  # later files belong to the abandoned attempt
         os.environ[ENV_RESTORE_STEP] = str(restore)
@@ -450,7 +508,9 @@ class MemoryService:
         if self.replication is not None:
             addresses = {peer: (str(r["address"][0]), int(r["address"][1]))
                          for peer, r in reports.items() if r.get("address")}
-            self.replication.set_round(node, nodes, addresses)
+            round_id = store.get("replication_round").decode()
+            self.replication.set_round(node, nodes, addresses, round_id=round_id,
+                                       restored=restore)
 
     def _verified(self, ranks: list[int], step: int) -> dict[int, int]:
         """The seq of each rank's own slot holding ``step``: every such slot was verified
@@ -491,7 +551,8 @@ class MemoryService:
     def _fetch(self, rank: int, step: int, source: Source,
                reports: dict[int, dict[str, Any]]) -> None:
         if source.tier is Tier.MEMORY:
-            return  # already in this host's slots; the worker verifies it again
+            self.owner.restore_kept(rank, step)  # unless an own slot holds it already
+            return  # the worker verifies it again
         if source.tier is Tier.PEER:
             address = reports[source.node].get("address")
             if self.replication is None or not address:

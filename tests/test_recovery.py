@@ -42,9 +42,21 @@ def test_a_lost_group_falls_back_to_the_persistent_tier() -> None:
 
 def test_faster_tiers_first_and_nothing_common_means_a_fresh_start() -> None:
     reports = {
-        2: {"local": {"0": [5]}, "replicas": {"0": [5]}, "persist": {"0": [5]}},
+        2: {"local": {"0": [5]}, "replicas": {"1": [5]}, "persist": {"0": [5]}},
         1: {"replicas": {"0": [5]}},
     }
-    assert plan_restore(gather_sources(reports), 1).sources[0] == [MEMORY, peer(1), peer(2), PERSIST]
-    assert plan_restore(gather_sources(reports), 2) == RestorePlan(None)
+    assert plan_restore(gather_sources(reports), 1).sources[0] == [MEMORY, peer(1), PERSIST]
+    assert plan_restore(gather_sources(reports), 2).sources[1] == [peer(2)]
+    assert plan_restore(gather_sources({1: {"replicas": {"0": [5]}}}), 2) == RestorePlan(None)
     assert plan_restore({}, 1) == RestorePlan(None)
+
+
+def test_the_copy_a_host_keeps_of_its_own_rank_is_memory() -> None:
+    """Replication keeps a copy of each rank it sends in its host's replica slots; after a
+    peer's loss the host resumes its own rank from that copy (memory), not the network."""
+    reports = {
+        0: {"local": {"0": [20, 21]}, "replicas": {"0": [18], "1": [18]}},
+        1: {"local": {"1": [19]}, "replicas": {}},  # a replacement: its own copy is gone
+    }
+    plan = plan_restore(gather_sources(reports), 2)
+    assert plan == RestorePlan(18, {0: [MEMORY], 1: [peer(0)]})

@@ -23,7 +23,7 @@ import pytest
 import xxhash
 
 from launcher import memory
-from launcher.errors import ConfigError, ReplicationError
+from launcher.errors import CheckpointError, ConfigError, ReplicationError
 from launcher.replication import transport
 from launcher.replication.transport import (
     FRAME,
@@ -185,6 +185,41 @@ def test_repeated_pushes_alternate_the_double_buffer(net: Net) -> None:
     assert net.replica_steps() == [2, 3]
     assert net.replicas == [(0, 1), (0, 2), (0, 3)]
     assert net.rejects == []
+
+
+def test_a_push_never_overwrites_the_replica_of_the_pinned_step(net: Net) -> None:
+    """A push names s*, the globally restorable step: the holder keeps its replica of s*
+    and lets newer pushes take turns in the other slot, until a newer s* is named."""
+    server = net.server()
+    client = net.client(server)
+    assert client.push(fill(net.a, 0, 4, random_data(40_000, 40))) == 4
+    for step in (5, 6, 7):
+        assert client.push(fill(net.a, 0, step, random_data(40_000, step)), keep=4) == step
+        assert net.replica_steps() == [4, step]
+    assert client.push(fill(net.a, 0, 8, random_data(40_000, 8)), keep=7) == 8
+    assert net.replica_steps() == [7, 8]
+    assert net.b.pinned(0) == 7
+    assert client.push(fill(net.a, 0, 9, random_data(40_000, 9)), keep=5) == 9  # pins only move on
+    assert net.replica_steps() == [7, 9]
+
+
+def test_the_kept_copy_of_an_own_rank_is_restored_into_its_own_slot(net: Net) -> None:
+    data = random_data(300_000, 41)
+    own = fill(net.a, 0, 12, data)
+    header = memory.read_header(own.view)
+    assert header is not None
+    kept = net.a.write_target(0, own.size, replica=True)
+    assert memory.copy_slot(own.view, kept.view, header)
+    fill(net.a, 0, 13, random_data(300_000, 42))
+    fill(net.a, 0, 14, random_data(300_000, 43))  # the worker's own slots moved on
+    assert net.a.holdings([0], WORLD) == {0: [13, 14]}
+    net.a.restore_kept(0, 12)
+    assert net.a.holdings([0], WORLD) == {0: [12, 14]}
+    restored = next(s for s in net.a.segments()[0] if memory.read_header(s.view).step == 12)
+    assert slot_bytes(restored) == data
+    net.a.restore_kept(0, 14)  # already in an own slot: nothing to copy
+    with pytest.raises(CheckpointError, match="no kept copy of step 3"):
+        net.a.restore_kept(0, 3)
 
 
 def test_pull_into_a_fresh_own_slot(net: Net) -> None:

@@ -2,14 +2,14 @@
 
 Every supervisor runs a transport :class:`~launcher.replication.transport.Server` that
 keeps the replicas peers push into this host's replica slots and answers pulls. A sender
-thread watches this host's own slots and pushes each rank's newest committed step to the
-nodes that :mod:`~launcher.replication.placement` names as its holders, or with
-``--replicate-every N`` the newest step that is a multiple of N (the same steps on every
-host, so that after a host loss the replicas of all ranks hold a common step). It first
-copies the step into this host's own replica slots of the rank (a copy the worker never
-writes) and pushes from there, straight from shared memory. A push that is still on the
-wire when the worker commits the next step finishes, and the next push takes the newest
-step: replication coalesces instead of queueing.
+thread replicates this host's ranks to the nodes that
+:mod:`~launcher.replication.placement` names as their holders, one target step at a time,
+in lock step with every other host (:mod:`~launcher.replication.progress`: the round's
+leader publishes the target and the globally restorable step s* in the coordination
+store; each host reports there when its ranks' copies of the target have reached every
+holder). For each target it first copies the step into this host's own replica slots of
+the rank (a copy the worker never writes, which keeps s* for the survivors of a host
+loss) and pushes from there, straight from shared memory.
 
 Pacing (the paper's traffic interleaving, adapted): the paper fits checkpoint traffic
 into the gaps of training's own network traffic. Here the contended resources are the
@@ -34,12 +34,13 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from launcher import memory
 from launcher.errors import ConfigError, GeminiError, ReplicationError, StoreError
 from launcher.events import EventLog
 from launcher.priority import IdleGate, lower_priority
-from launcher.replication import placement, transport
+from launcher.replication import placement, progress, transport
 from launcher.slots import SlotOwner
 from launcher.store import Store
 
@@ -55,6 +56,8 @@ MIN_RATE = 64 << 20  # bytes/s: pacing never drops below this
 # of the shortest iteration, within these bounds (a look costs 50-150 us of CPU with its
 # wake-up; looking every 2 ms took 4% of a core per host, as much as the paced traffic).
 MIN_POLL, MAX_POLL, POLL_SHARE = 0.002, 0.05, 0.05
+STORE_POLL = 0.05  # seconds between two reads of the replication plan or reports
+REPORT_EVERY = 30.0  # seconds between two ``replication_progress`` events
 
 
 def load_secret(secret_file: str, store: Store, run_id: str) -> bytes:
@@ -90,16 +93,26 @@ def advertised_host(bind_host: str, local_addr: str | None) -> str:
 class ReplicationService:
     """Owns the transport server and the sender thread of one supervisor."""
 
-    def __init__(self, owner: SlotOwner, events: EventLog, *, run_id: str, replicas: int,
-                 secret: bytes, bind: tuple[str, int], advertise: str, pace: bool = True,
-                 every: int = 1) -> None:
+    def __init__(self, owner: SlotOwner, events: EventLog, store: Store, *, run_id: str,
+                 replicas: int, secret: bytes, bind: tuple[str, int], advertise: str,
+                 pace: bool = True, every: int = 0, rate_limit: float = 0.0) -> None:
         self.owner = owner
         self.events = events
+        self.store = store
         self.run_id = run_id
         self.replicas = replicas
         self.pace = pace
-        self.every = every
+        self.every = every  # 0: chosen from the measurements
+        self.rate_limit = rate_limit  # bytes/s per push, 0: none
         self._secret = secret
+        self._keys = f"gemini/runs/{run_id}/replication/"
+        self._node, self._nodes, self._round_id = 0, 1, ""
+        self._plan: progress.Plan | None = None
+        self._plan_read = 0.0  # monotonic time of the last read of the plan
+        self._began: float | None = None  # when this host began to copy the current target
+        self._answered: tuple[str, int] | None = None  # (round, target) reported done
+        self._reported = 0.0  # monotonic time of the last replication_progress event
+        self._store_down = False
         self.server = transport.Server(owner, secret=secret, run_id=run_id, host=bind[0],
                                        port=bind[1], on_reject=self._on_reject,
                                        nice=PACED_NICE if pace else 0)
@@ -126,11 +139,12 @@ class ReplicationService:
         """Stop pushing (before a round's membership and placement change)."""
         self._running.clear()
 
-    def set_round(self, node: int, nodes: int,
-                  addresses: Mapping[int, tuple[str, int] | None]) -> None:
-        """Adopt the placement of a new round and resume pushing."""
-        plan = placement.plan(nodes, self.replicas)
-        holders = [a for n in plan.holders(node) if (a := addresses.get(n)) is not None]
+    def set_round(self, node: int, nodes: int, addresses: Mapping[int, tuple[str, int] | None],
+                  *, round_id: str, restored: int) -> None:
+        """Adopt the placement of a new round (``round_id``, the same on every host) and
+        resume replicating; the round's leader publishes its first plan."""
+        layout = placement.plan(nodes, self.replicas)
+        holders = [a for n in layout.holders(node) if (a := addresses.get(n)) is not None]
         with self._lock:
             self._holders = [(str(h), int(p)) for h, p in holders]
             for address in list(self._clients):
@@ -138,7 +152,14 @@ class ReplicationService:
                     self._clients.pop(address).close()
             self._pushed.clear()  # the job may have gone back to an older step
             self._kept.clear()
-        self.events.write("replication_round", node=node, nodes=nodes, placement=plan.kind,
+            self._node, self._nodes, self._round_id = node, nodes, round_id
+            self._plan, self._plan_read, self._answered = None, 0.0, None
+        if node == 0 and nodes > 1:
+            interval = min(self._interval.values(), default=None)
+            plan = progress.first_plan(round_id, newest=restored, interval=interval,
+                                       fixed_every=self.every)
+            self._write_plan(plan)
+        self.events.write("replication_round", node=node, nodes=nodes, placement=layout.kind,
                           holders=[f"{h}:{p}" for h, p in self._holders])
         self._running.set()
 
@@ -173,32 +194,152 @@ class ReplicationService:
                 self._stop.wait(self._poll_interval())
 
     def _send_once(self) -> bool:
-        """Push every rank's newest due step to every holder that lacks it; True if any
-        bytes moved."""
+        """One pass of the lock step (see :mod:`~launcher.replication.progress`): lead,
+        read the plan, and replicate each rank's copy of its target to every holder that
+        lacks it; report once all have it. True if any bytes moved."""
         with self._lock:
             holders = list(self._holders)
-        if not holders:
-            return False
-        sent = False
+            round_id = self._round_id
         own = self.owner.segments()
+        newest = self._newest(own)
+        if not holders or not own or self._nodes < 2:
+            return False
+        if self._node == 0:
+            self._lead(round_id, newest)
+        plan = self._read_plan(round_id)
+        if plan is None or self._answered == (round_id, plan.target):
+            return False
+        for rank in own:
+            self.owner.pin(rank, plan.sstar)
+        sent = False
+        caught: dict[int, int] = {}
         for rank, segments in own.items():
-            due = self._due(rank, segments)
-            if due is None:
-                continue
-            segment, header = due
-            pacer = self._pacer(rank, header.data_len * len(own) * len(holders))
             kept = self._kept.get(rank)
-            if kept is None or kept[0] < header.step:
-                kept = self._keep_own_copy(segment, header, pacer)
+            pacer = self._pacer(rank, max(seg.size for seg in segments) * len(own) * len(holders))
+            if kept is None or kept[0] < plan.target:
+                due = self._due(segments, plan.target)
+                if due is None:
+                    continue
+                if self._began is None:
+                    self._began = time.monotonic()
+                kept = self._keep_own_copy(*due, pacer)
                 if kept is None:
-                    continue  # the worker is rewriting that slot: wait for its next commit
+                    continue  # the worker rewrote that slot meanwhile: a miss, seen below
+            caught[rank] = kept[0]
             for holder in holders:
-                if self._pushed.get((holder, rank), -1) >= kept[0] or not self._running.is_set():
+                if self._pushed.get((holder, rank), -1) == kept[0] or not self._running.is_set():
                     continue
                 if time.monotonic() - self._failures.get(holder, -1e9) < 1.0:
                     continue  # back off from a failing peer
-                sent |= self._push(holder, rank, kept[1], pacer)
+                sent |= self._push(holder, rank, kept[1], pacer, plan.sstar)
+        self._answer(plan, own, holders, caught, newest)
         return sent
+
+    # -- the lock step ------------------------------------------------------------------------
+    def _newest(self, own: Mapping[int, list[memory.Segment]]) -> int:
+        """The newest step every local rank has committed (-1: none), tracking the
+        iteration time on the way."""
+        steps = []
+        for rank, segments in own.items():
+            headers = [h for seg in segments if (h := memory.read_header(seg.view)) is not None
+                       and h.state is memory.SlotState.COMMITTED]
+            step = max((h.step for h in headers), default=-1)
+            self._observe(rank, step)
+            steps.append(step)
+        return min(steps, default=-1)
+
+    def _answer(self, plan: progress.Plan, own: Mapping[int, list[memory.Segment]],
+                holders: list[tuple[str, int]], caught: dict[int, int], newest: int) -> None:
+        """Report the target done once every local rank's copy reached every holder, or
+        missed once a rank can no longer catch it."""
+        missed = any(self._lost_target(segments, plan.target) for rank, segments in own.items()
+                     if rank not in caught)
+        steps = set(caught.values())
+        complete = len(caught) == len(own) and all(
+            self._pushed.get((holder, rank)) == step
+            for rank, step in caught.items() for holder in holders)
+        if len(steps) > 1:
+            missed = True  # the local ranks caught different steps
+        if not (missed or complete):
+            return
+        began = self._began if self._began is not None else time.monotonic()
+        done = progress.Done(round=plan.round, target=plan.target,
+                             step=-1 if missed else steps.pop(), newest=newest,
+                             seconds=round(time.monotonic() - began, 4))
+        if self._store_call(self.store.put, self._keys + f"done/{self._node}", done.dumps()):
+            self._answered = (plan.round, plan.target)
+
+    @staticmethod
+    def _lost_target(segments: list[memory.Segment], target: int) -> bool:
+        """Whether the worker has committed past ``target`` without it in its slots."""
+        headers = [h for seg in segments if (h := memory.read_header(seg.view)) is not None
+                   and h.state is memory.SlotState.COMMITTED]
+        return len(headers) == len(segments) == 2 and all(h.step > target for h in headers) \
+            and not any(h.step == target for h in headers)
+
+    def _lead(self, round_id: str, newest: int) -> None:
+        """As the round's leader: once every node answered the target, publish the next
+        plan (a new s*, or after a miss a target further ahead)."""
+        plan = self._plan
+        if plan is None or plan.round != round_id:
+            return
+        if time.monotonic() - self._plan_read < STORE_POLL:
+            return
+        items = self._store_call(self.store.get_prefix, self._keys + "done/")
+        if items is None:
+            return
+        dones = {}
+        for key, value in items.items():
+            node = key.rsplit("/", 1)[-1]
+            if node.isdigit() and (done := progress.Done.loads(value)) is not None:
+                dones[int(node)] = done
+        interval = min(self._interval.values(), default=None)
+        nxt = progress.advance(plan, dones, nodes=self._nodes, newest=newest,
+                               interval=interval, fixed_every=self.every)
+        if nxt is not None:
+            self._write_plan(nxt)
+            if nxt.sstar != plan.sstar and (plan.sstar < 0 or nxt.every != plan.every
+                                            or time.monotonic() - self._reported > REPORT_EVERY):
+                self._reported = time.monotonic()
+                self.events.write("replication_progress", sstar=nxt.sstar, every=nxt.every,
+                                  lag_steps=nxt.lag_steps, lag_seconds=nxt.lag_seconds,
+                                  seconds=nxt.seconds)
+
+    def _write_plan(self, plan: progress.Plan) -> None:
+        if self._store_call(self.store.put, self._keys + "plan", plan.dumps()):
+            if self._plan is None or plan.target != self._plan.target:
+                self._began = None
+            self._plan, self._plan_read = plan, time.monotonic()
+
+    def _read_plan(self, round_id: str) -> progress.Plan | None:
+        """The current plan of this round (the leader's own, or read at most every
+        :data:`STORE_POLL` seconds)."""
+        if self._node != 0 and time.monotonic() - self._plan_read >= STORE_POLL:
+            data = self._store_call(self.store.get, self._keys + "plan")
+            plan = progress.Plan.loads(data) if data is not None else None
+            self._plan_read = time.monotonic()
+            if plan is not None and plan.round == round_id and plan != self._plan:
+                if self._plan is None or plan.target != self._plan.target:
+                    self._began = None
+                self._plan = plan
+        plan = self._plan
+        return plan if plan is not None and plan.round == round_id else None
+
+    def _store_call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the coordination store; None (once logged) while it is away:
+        replication then waits, training does not."""
+        try:
+            result = fn(*args)
+        except StoreError as exc:
+            if not self._store_down and self._running.is_set():
+                self._store_down = True
+                logger.warning("replication: the coordination store is unavailable (%s); "
+                               "s* stays where it is until it is back", exc)
+            return None
+        if self._store_down:
+            self._store_down = False
+            logger.info("replication: the coordination store is back")
+        return True if result is None else result
 
     def _keep_own_copy(self, segment: memory.Segment, header: memory.SlotHeader,
                        pacer: _Pacer | None) -> tuple[int, memory.Segment] | None:
@@ -214,20 +355,9 @@ class ReplicationService:
         try:
             target = self.owner.write_target(
                 rank, memory.slot_size(header.data_len, header.meta_len), replica=True)
-            with memoryview(segment.view) as src:
-                meta = bytes(src[header.meta_offset:header.meta_offset + header.meta_len])
-            verifier = memory.stream_verifier(target.view, header, meta)
-            with memoryview(segment.view) as src, memoryview(target.view) as dst:
-                for low in range(0, header.data_len, memory.COPY_CHUNK):
-                    if pacer is not None:
-                        pacer.wait_idle()
-                    high = min(low + memory.COPY_CHUNK, header.data_len)
-                    dst[memory.HEADER_SIZE + low:memory.HEADER_SIZE + high] = (
-                        src[memory.HEADER_SIZE + low:memory.HEADER_SIZE + high])
-                    verifier.advance(high)
-            if not memory.unchanged(segment.view, header):
+            if not memory.copy_slot(segment.view, target.view, header,
+                                    pacer.wait_idle if pacer is not None else None):
                 return None
-            memory.commit_received(target.view, header, meta, verifier)
         except GeminiError as exc:
             if memory.unchanged(segment.view, header):  # else: torn by the worker, as above
                 logger.warning("keeping a copy of rank %d step %d failed: %s", rank,
@@ -236,22 +366,17 @@ class ReplicationService:
         self._kept[rank] = (header.step, target)
         return self._kept[rank]
 
-    def _due(self, rank: int, segments: list[memory.Segment]
+    @staticmethod
+    def _due(segments: list[memory.Segment], target: int
              ) -> tuple[memory.Segment, memory.SlotHeader] | None:
-        """The newest committed slot of ``rank`` whose step is on the schedule (a multiple
-        of :attr:`every`, so that every host replicates the same steps)."""
+        """The committed slot holding the first step >= ``target``, if any."""
         best: tuple[memory.Segment, memory.SlotHeader] | None = None
-        newest = -1
         for segment in segments:
             header = memory.read_header(segment.view)
             if header is None or header.state is not memory.SlotState.COMMITTED:
                 continue
-            newest = max(newest, header.step)
-            if header.step % self.every == 0 and (
-                best is None or (header.step, header.seq) > (best[1].step, best[1].seq)
-            ):
+            if header.step >= target and (best is None or header.step < best[1].step):
                 best = (segment, header)
-        self._observe(rank, newest)
         return best
 
     def _observe(self, rank: int, step: int) -> None:
@@ -276,6 +401,11 @@ class ReplicationService:
         """How the replication of ``rank``'s newest commit is paced when ``per_iteration``
         bytes go out every iteration; None: unpaced (no pacing, or no iteration time yet)."""
         interval = self._interval.get(rank)
+        if self.rate_limit > 0:  # a hard limit: no bursts into idle time either
+            rate = self.rate_limit
+            if self.pace and interval:
+                rate = min(rate, max(MIN_RATE, per_iteration / (PACE_SHARE * interval)))
+            return _Pacer(None, rate, 0.0, self._stop)
         if not self.pace or interval is None or interval <= 0:
             return None
         rate = max(MIN_RATE, per_iteration / (PACE_SHARE * interval))
@@ -284,13 +414,13 @@ class ReplicationService:
                       self._stop)
 
     def _push(self, holder: tuple[str, int], rank: int, segment: memory.Segment,
-              pacer: _Pacer | None) -> bool:
+              pacer: _Pacer | None, keep: int) -> bool:
         try:
             client = self._clients.get(holder)
             if client is None:
                 client = self._clients[holder] = transport.Client(
                     holder, secret=self._secret, run_id=self.run_id)
-            step = client.push(segment, pace=pacer)
+            step = client.push(segment, pace=pacer, keep=keep)
         except ReplicationError as exc:
             first = holder not in self._failures
             self._failures[holder] = time.monotonic()
@@ -313,10 +443,14 @@ class ReplicationService:
     def _on_reject(self, peer: str, reason: str) -> None:
         self.events.write("replication_rejected", peer=peer, reason=reason)
 
-    def close(self) -> None:
+    def stop_sending(self) -> None:
+        """Stop the sender thread (idempotent): before the coordination store closes."""
         self._stop.set()
         self._running.set()
         self._thread.join(timeout=10)
+
+    def close(self) -> None:
+        self.stop_sending()
         self.events.write("replication_done", pushes=self.pushes)
         with self._lock:
             for client in self._clients.values():

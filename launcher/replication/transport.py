@@ -23,7 +23,9 @@ Wire protocol (all integers little endian)::
                    seq counts the frames of one direction of one connection from 0, so a
                    frame cannot be replayed, reordered or reflected.
 
-    PUT   c: {"op":"put", run_id, rank, step, seq, world_size, data_len, meta_hash} + meta
+    PUT   c: {"op":"put", run_id, rank, step, seq, world_size, data_len, meta_hash, keep}
+             + meta; keep: the run's globally restorable step s*, whose replica the
+             server must not overwrite (-1: none known)
           s: {"ok":true} | {"ok":true,"have":true} (already held; nothing follows)
           c: data_len raw bytes (sendfile from the slot's file)
           c: {"op":"end","stable":bool}     s: {"ok":true,"step":S} | {"ok":true,"aborted":true}
@@ -108,6 +110,10 @@ class SlotSource(Protocol):
 
     def find(self, rank: int, step: int) -> memory.Segment | None:
         """A committed slot holding ``step`` of ``rank``, or None."""
+        ...
+
+    def pin(self, rank: int, step: int) -> None:
+        """Keep the replica of ``step`` of ``rank`` from being overwritten."""
         ...
 
 
@@ -211,6 +217,8 @@ class PutRequest:
 
     header: memory.SlotHeader
     meta: bytes
+    keep: int = -1
+    """The step whose replica must survive this put (-1: none)."""
 
 
 @dataclass(frozen=True)
@@ -244,7 +252,8 @@ def parse_request(message: dict[str, Any], blob: bytes, *, run_id: str) -> PutRe
     """A validated request from a client's frame."""
     op = message.get("op")
     if op == "put":
-        return PutRequest(_slot_fields(message, blob, run_id), blob)
+        keep = _int(message, "keep", -1, (1 << 63) - 1) if "keep" in message else -1
+        return PutRequest(_slot_fields(message, blob, run_id), blob, keep)
     if op == "get":
         if blob:
             raise ReplicationError("unexpected blob in a get request")
@@ -747,6 +756,8 @@ class Server:
             channel.send({"ok": False, "error": f"rank {header.rank} is busy receiving"})
             return
         try:
+            if request.keep >= 0:
+                self.slots.pin(header.rank, request.keep)
             if self._held(header):
                 channel.send({"ok": True, "have": True})
                 return
@@ -872,13 +883,14 @@ class Client:
                     raise
             raise AssertionError("unreachable")
 
-    def push(self, segment: memory.Segment, *,
-             pace: Callable[[int], None] | None = None) -> int | None:
+    def push(self, segment: memory.Segment, *, pace: Callable[[int], None] | None = None,
+             keep: int = -1) -> int | None:
         """Send the committed step ``segment`` holds to the peer, which verifies and
         commits it in a replica slot; return that step. Return None without sending when
         the slot holds no committed step, and None after sending when the slot changed
         meanwhile (the peer discards it). ``pace`` is called before each chunk of the
-        data with the bytes sent so far, and may wait (see ``replication.service``)."""
+        data with the bytes sent so far, and may wait (see ``replication.service``);
+        ``keep`` is the step whose replica the peer must keep (the run's s*)."""
         source = _SourceFile(segment)
         try:
             snapshot = source.snapshot()
@@ -889,14 +901,15 @@ class Client:
                 raise ReplicationError(f"slot {segment.name} belongs to run {header.run_id!r}")
             if len(meta) > MAX_META or header.data_len > MAX_DATA:
                 raise ReplicationError(f"slot {segment.name} is too large to send")
-            result: int | None = self._call(lambda ch: self._push(ch, source, header, meta, pace))
+            result: int | None = self._call(
+                lambda ch: self._push(ch, source, header, meta, pace, keep))
             return result
         finally:
             source.close()
 
     def _push(self, channel: _Channel, source: _SourceFile, header: memory.SlotHeader,
-              meta: bytes, pace: Callable[[int], None] | None) -> int | None:
-        channel.send({"op": "put", **_slot_message(header, self.run_id)}, meta)
+              meta: bytes, pace: Callable[[int], None] | None, keep: int) -> int | None:
+        channel.send({"op": "put", **_slot_message(header, self.run_id), "keep": keep}, meta)
         if parse_reply(channel.recv()[0]).get("have") is True:
             return header.step
         _send_file(channel.sock, source.fd, memory.HEADER_SIZE, header.data_len, self.timeout,

@@ -1,0 +1,171 @@
+"""Which step every host replicates next, and which step is globally restorable (s*).
+
+The invariant: at every moment there is a step s* such that, after the loss of any single
+host (or of any set of hosts the placement survives), every rank can restore s* from a
+copy that is still in memory: its own host keeps a copy of s* in a replica slot, and every
+holder of the rank keeps its replica of s*. Neither is overwritten until a newer step is
+complete in the same sense (``SlotOwner.pin``: one replica slot keeps s* while the other
+takes the next step).
+
+Replication moves in lock step, one *target* at a time, all hosts on the same step:
+
+1. The leader (node 0 of the round) publishes a :class:`Plan`: s* and the next target T,
+   a step still in the future for every host (``margin`` steps past the newest it saw),
+   a multiple of ``every``.
+2. Every host, once its workers commit the first step >= T, copies it into its own
+   replica slots and pushes it to the rank's holders (each push tells the holder s*, so
+   that it keeps s* and overwrites the older slot), then publishes a :class:`Done`.
+3. When every host has replicated the same step, that step is the new s*, and the
+   leader plans the next target. A host that could not catch the step (its workers
+   overwrote it first, or its ranks caught different steps) reports a miss; the
+   leader then plans a new target further ahead.
+
+``every`` (k) comes from ``--replicate-every`` or, by default, from the measurements: the
+number of iterations one replication takes, so that targets are spaced as far apart as
+replication needs and s* is never more than about 2k + margin steps old. Every function
+here is pure: the replication service reads and writes the store and the slots.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+MARGIN_SECONDS = 0.25
+"""How far in the future a target is placed: time for every host to read the plan."""
+MIN_MARGIN, MAX_MARGIN = 2, 256
+MAX_EVERY = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """The replication state of one rendezvous round, as the leader publishes it."""
+
+    round: str
+    """Identifies the round; records of other rounds are ignored."""
+    sstar: int
+    """The globally restorable step (-1: none yet in this round)."""
+    target: int
+    """Replicate the first committed step >= this."""
+    every: int
+    """k: targets are multiples of it."""
+    margin: int
+    """Steps between the newest step the leader saw and the target."""
+    lag_steps: int = 0
+    """Steps between the newest committed step and s*, when the plan was made."""
+    lag_seconds: float = 0.0
+    """The same in seconds (``lag_steps`` iterations)."""
+    seconds: float = 0.0
+    """How long the last replication took (the slowest host), in seconds."""
+
+    def dumps(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def loads(cls, data: bytes | None) -> Plan | None:
+        fields = _load(data)
+        return None if fields is None else _build(cls, fields)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Done:
+    """One host's report on a target."""
+
+    round: str
+    target: int
+    """The target it answers."""
+    step: int
+    """The step it replicated to every holder, or -1: it missed the target."""
+    newest: int
+    """The newest step its workers had committed."""
+    seconds: float
+    """From the plan to the last holder's acknowledgement."""
+
+    def dumps(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def loads(cls, data: bytes | None) -> Done | None:
+        fields = _load(data)
+        return None if fields is None else _build(cls, fields)
+
+
+_T = TypeVar("_T")
+
+
+def _load(data: bytes | None) -> dict[str, Any] | None:
+    """The fields of a record, or None for a missing or unreadable one."""
+    if not data:
+        return None
+    try:
+        fields = json.loads(data)
+    except ValueError:
+        return None
+    return fields if isinstance(fields, dict) else None
+
+
+def _build(cls: type[_T], fields: dict[str, Any]) -> _T | None:
+    try:
+        return cls(**fields)
+    except TypeError:  # written by another version
+        return None
+
+
+def target_after(newest: int, every: int, margin: int) -> int:
+    """The smallest multiple of ``every`` that is at least ``margin`` steps past ``newest``."""
+    low = max(0, newest + margin)
+    return -(-low // every) * every
+
+
+def margin_for(interval: float | None) -> int:
+    """Steps that take at least :data:`MARGIN_SECONDS` (at least :data:`MIN_MARGIN`)."""
+    if not interval or interval <= 0:
+        return MIN_MARGIN
+    return min(MAX_MARGIN, max(MIN_MARGIN, math.ceil(MARGIN_SECONDS / interval)))
+
+
+def every_for(seconds: float, interval: float | None, fixed: int) -> int:
+    """k: ``fixed`` when the user set it, else the iterations one replication takes."""
+    if fixed > 0:
+        return fixed
+    if not interval or interval <= 0:
+        return 1
+    return min(MAX_EVERY, max(1, math.ceil(seconds / interval)))
+
+
+def first_plan(round_id: str, *, newest: int, interval: float | None, fixed_every: int) -> Plan:
+    """The plan a round starts with: no s* yet, the first target ``margin`` steps ahead."""
+    every = every_for(0.0, interval, fixed_every)
+    margin = margin_for(interval)
+    return Plan(round=round_id, sstar=-1, target=target_after(newest, every, margin),
+                every=every, margin=margin)
+
+
+def advance(plan: Plan, dones: Mapping[int, Done], *, nodes: int, newest: int,
+            interval: float | None, fixed_every: int) -> Plan | None:
+    """The leader's next plan once every node of the round answered ``plan``'s target, or
+    None while some have not. ``newest`` is the newest step the leader's workers
+    committed, ``interval`` the measured seconds per iteration."""
+    answers = [d for n in range(nodes) if (d := dones.get(n)) is not None
+               and d.round == plan.round and d.target == plan.target]
+    if len(answers) < nodes:
+        return None
+    newest = max([newest, *(d.newest for d in answers)])
+    seconds = max(d.seconds for d in answers)
+    steps = {d.step for d in answers}
+    if len(steps) == 1 and min(steps) >= 0:
+        sstar = steps.pop()
+        every = every_for(seconds, interval, fixed_every)
+        margin = margin_for(interval)
+    else:  # a miss: try again further ahead
+        sstar, every = plan.sstar, plan.every
+        margin = min(MAX_MARGIN, plan.margin * 2)
+        newest = max(newest, *steps)
+    lag = max(0, newest - sstar) if sstar >= 0 else 0
+    return Plan(round=plan.round, sstar=sstar, target=target_after(max(newest, sstar), every,
+                                                                   margin),
+                every=every, margin=margin, lag_steps=lag,
+                lag_seconds=round(lag * (interval or 0.0), 3), seconds=round(seconds, 3))
