@@ -11,7 +11,8 @@ gloo over loopback). Printed, side by side with their baselines:
    Measured twice: CPU-bound (both cores train, nothing is left for replication) and
    with each step also waiting ``DEVICE_TIME`` seconds with the CPU free
    (``--device-time``), a stand-in for a GPU host, whose CPU idles while the GPU computes;
-3. the time from killing a whole host (supervisor and worker) to the first completed
+3. the steps redone after killing a whole host (the newest step completed before the
+   kill minus the step restored) and the time from the kill to the first completed
    step after restore, split into detection (the survivor's worker fails), rendezvous
    (the replacement host joins; torch's dynamic rendezvous drops the dead host after
    its keep-alive expires), transfer (the replacement pulls its shard) and load + first
@@ -195,7 +196,11 @@ def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str) -> dict[str, f
         if set(plan["sources"].values()) != {want}:  # type: ignore[union-attr]
             plans = [e for e in events if e["event"] in ("restore_plan", "replication_failed")]
             raise RuntimeError(f"expected a restore from {want}: {plans}\n{survivor.output()[-3000:]}")
-        return {"detection": failed - killed, "rendezvous": planned - transfer - failed,
+        done = [int(m.group(1)) for t, line in list(survivor.lines) if t <= killed
+                and (m := re.match(r"step (\d+) ", line))]
+        restored = plan["step"] if plan["step"] is not None else -1
+        return {"steps redone": max(done, default=-1) - int(restored),  # type: ignore[call-overload]
+                "detection": failed - killed, "rendezvous": planned - transfer - failed,
                 "transfer": transfer, "load + first step": first_step - planned,
                 "total": first_step - killed}
 
@@ -275,10 +280,12 @@ def main() -> None:
         ours = statistics.median(r["total"] for r in results["peer memory (--replicas 2)"])
         for name, runs in results.items():
             medians = {k: statistics.median(r[k] for r in runs) for k in phases}
-            rows.append([name, *(f"{medians[k]:.2f} s" for k in phases), f"{medians['total'] / ours:.2f}x"])
+            redone = statistics.median(r["steps redone"] for r in runs)
+            rows.append([name, f"{redone:g}", *(f"{medians[k]:.2f} s" for k in phases),
+                         f"{medians['total'] / ours:.2f}x"])
         out += ["3. host kill -> first completed step after restore (2 hosts x 1 worker, etcd-v3 "
                 f"rendezvous, replacement started at the kill, {IDLE} s idle per step)", "",
-                table(["restore from", *phases, "vs peer"], rows), ""]
+                table(["restore from", "steps redone", *phases, "vs peer"], rows), ""]
     flush()
 
 

@@ -67,12 +67,13 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
     for column in ("host", "status", "pid", "ranks", "round", "restarts", "heartbeat"):
         hosts.add_column(column)
     for h in status["hosts"]:
-        colour = {"alive": "green", "lost": "red"}.get(h["status"], "dim")
+        colour = {"alive": "green", "waiting": "yellow", "lost": "red"}.get(h["status"], "dim")
         hosts.add_row(h["host"] + (" (root)" if h["host"] == status["root"] else ""),
                       f"[{colour}]{h['status']}[/]", str(h.get("pid", "")),
                       _ranks(h.get("ranks", [])), str(h.get("round", "")),
                       str(h.get("restart_count", 0)), f"{now - h.get('heartbeat', now):.0f} s ago")
     console.print(hosts)
+    console.print(_recoverable(status.get("replication"), status.get("spares") or []))
     ranks = Table(title="newest step per rank and tier")
     for column in ("rank", "host", "memory", "peer replicas", "lag", "persisted"):
         ranks.add_column(column)
@@ -94,6 +95,18 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
             events.add_row(time.strftime("%H:%M:%S", time.localtime(e.get("ts", 0))),
                            e.get("host", ""), e.get("event", ""), _short(detail))
         console.print(events)
+
+
+def _recoverable(plan: dict[str, Any] | None, spares: list[str]) -> str:
+    """One line on s*, the step every rank resumes from after a host loss, and the spares."""
+    spare = f"  spares: {', '.join(spares)}" if spares else "  spares: none"
+    if not plan:
+        return "host-loss recovery step: - (no replication between hosts)" + spare
+    if plan.get("sstar", -1) < 0:
+        return f"host-loss recovery step: none yet (first target {plan.get('target')})" + spare
+    return (f"host-loss recovery step s*: {plan['sstar']}  lag: {plan.get('lag_steps', 0)} "
+            f"steps ({plan.get('lag_seconds', 0.0):.1f} s)  replicated every "
+            f"{plan.get('every', 1)} steps" + spare)
 
 
 def _step(step: int | None) -> str:

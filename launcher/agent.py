@@ -93,6 +93,11 @@ _AGENT_CLASS: type | None = None
 _ROUND_ATTEMPTS = 5  # rendezvous rounds whose set-up may time out before the run fails
 
 
+class _NotNeeded(Exception):  # noqa: N818 (a control-flow signal, not an error)
+    """This host never joined a round, and the rendezvous closed: the job finished
+    without needing it (a spare)."""
+
+
 class _RoundClosed(Exception):  # noqa: N818 (a control-flow signal, not an error)
     """This host's workers failed and the rendezvous closed while it restarted them: the
     other hosts finished. ``failure`` is the failed run's RunResult."""
@@ -184,13 +189,21 @@ def _define_agent(base: type) -> type:
 
         def _next_rendezvous(self, worker_group: WorkerGroup) -> Any:
             """torch's ``next_rendezvous``; a host that has never been in a round (a spare)
-            and times out while a round is running waits again instead of failing."""
-            from torch.distributed.elastic.rendezvous import RendezvousTimeoutError
+            and times out while a round is running waits again instead of failing, and
+            one that finds the rendezvous closed ends: the job finished without it."""
+            from torch.distributed.elastic.rendezvous import (
+                RendezvousClosedError,
+                RendezvousTimeoutError,
+            )
 
             handler = worker_group.spec.rdzv_handler
             while True:
                 try:
                     return handler.next_rendezvous()
+                except RendezvousClosedError:
+                    if self._round > 0:
+                        raise
+                    raise _NotNeeded() from None
                 except RendezvousTimeoutError:
                     if self._round > 0 or not _round_running(handler):
                         raise
@@ -640,6 +653,11 @@ def _launch(config: RunConfig, command: Command,
             result = agent.run()
         except _RoundClosed as ended:
             result = ended.failure
+        except _NotNeeded:
+            print("gemini: the rendezvous is closed: the job finished without needing this "
+                  "host", file=sys.stderr, flush=True)
+            events.write("not_needed")
+            result = None
         torch_events.record(agent.get_event_succeeded(), launch_config.event_log_handler)
         if result is not None and result.is_failed():
             failed = ChildFailedError(

@@ -11,9 +11,11 @@ available to torch's rendezvous registry in this process.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from torch._C._distributed_c10d import Store as _TorchStoreBase
@@ -186,7 +188,12 @@ def speed_up_rendezvous(*, single_node: bool) -> None:
     on a loaded host (or store) a live node's heartbeat is older than
     ``keep_alive_interval * keep_alive_max_attempt``. Another node then drops it from the
     round as dead: a spare waiting for that round is let in, and the whole group
-    restarts for nothing. Here the timer ticks twice per interval."""
+    restarts for nothing. Here the timer ticks twice per interval.
+
+    And when a round ends, every waiting node races to join the next one: spares, which
+    wait the whole time, often win it over the survivors of the last round, which first
+    stop their workers; the survivors are then left out, and their progress with them.
+    Here the members of the last round join first (:func:`members_first`)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
     dynamic_rendezvous.get_method_name = _caller_name
@@ -194,6 +201,10 @@ def speed_up_rendezvous(*, single_node: bool) -> None:
     if not getattr(handler, "_gemini_steady_keep_alive", False):
         setattr(handler, "_start_heartbeats", _steady_heartbeats)  # noqa: B010
         setattr(handler, "_gemini_steady_keep_alive", True)  # noqa: B010
+    join = dynamic_rendezvous._RendezvousJoinOp
+    if not getattr(join, "_gemini_members_first", False):
+        setattr(join, "__call__", _members_first(join.__call__))  # noqa: B010
+        setattr(join, "_gemini_members_first", True)  # noqa: B010
     if single_node:
         delay = getattr(dynamic_rendezvous, "_delay")  # noqa: B009
         setattr(dynamic_rendezvous, "_delay", _no_start_skew(delay))  # noqa: B010
@@ -209,6 +220,64 @@ def _steady_heartbeats(self: Any) -> None:
     self._keep_alive_timer = _PeriodicTimer(interval, self._keep_alive_weak, weakref.ref(self))
     self._keep_alive_timer.set_name(f"RendezvousKeepAliveTimer_{self._this_node.local_id}")
     self._keep_alive_timer.start()
+
+
+SETTLE = 0.5
+"""Seconds a spare waits after a round opens: the last member to leave the old round
+joins the new one within milliseconds, but is briefly in neither."""
+
+
+def members_first(node: Any, members: frozenset[Any], participants: Iterable[Any],
+                  heartbeats: Iterable[Any], open_for: float, grace: float) -> bool:
+    """Whether ``node`` may join a round that has been open for ``open_for`` seconds,
+    the last complete round having had ``members``: yes for a member; a spare (any other
+    node) once every member still alive (heartbeating) has joined, at least
+    :data:`SETTLE` seconds after the round opened, or in any case after ``grace``
+    seconds (a member that never comes back cannot keep the round from forming)."""
+    if node in members or open_for >= grace:
+        return True
+    joined, alive = set(participants), set(heartbeats)
+    return open_for >= SETTLE and not any(m in alive and m not in joined for m in members)
+
+
+@dataclasses.dataclass
+class _LastRound:
+    round: int = -1
+    members: frozenset[Any] = frozenset()
+    opened: float | None = None  # monotonic time this node first saw the next round open
+
+
+_LAST_ROUNDS: dict[str, _LastRound] = {}
+
+
+def _members_first(join: Any) -> Any:
+    """torch's join operation, holding spares back while the last round's members rejoin."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _Action,
+        _should_keep_alive,
+    )
+
+    def join_members_first(self: Any, ctx: Any, deadline: float) -> Any:
+        action = join(self, ctx, deadline)
+        state, settings = ctx.state, ctx.settings
+        last = _LAST_ROUNDS.setdefault(settings.run_id, _LastRound())
+        if state.complete:
+            if state.round != last.round:
+                _LAST_ROUNDS[settings.run_id] = _LastRound(state.round,
+                                                           frozenset(state.participants))
+            return action
+        if action is not _Action.ADD_TO_PARTICIPANTS or state.round != last.round + 1:
+            return action
+        if last.opened is None:
+            last.opened = time.monotonic()
+        grace = (settings.keep_alive_interval * settings.keep_alive_max_attempt
+                 ).total_seconds() + 2 * SETTLE
+        if members_first(ctx.node, last.members, state.participants, state.last_heartbeats,
+                         time.monotonic() - last.opened, grace):
+            return action
+        return _Action.KEEP_ALIVE if _should_keep_alive(ctx) else _Action.SYNC
+
+    return join_members_first
 
 
 def _no_start_skew(delay: Any) -> Any:

@@ -42,3 +42,19 @@ def test_single_node_skips_only_the_random_start_skew() -> None:
     delay((0, 0.3))
     delay(1)
     assert slept == [1]
+
+
+def test_the_last_rounds_members_join_before_spares() -> None:
+    """When a round ends, its members rejoin first: a spare waits while a member of the
+    last round is alive and outside the new round, and in any case for the settle time;
+    after the grace period it joins regardless (a member that never returns)."""
+    from launcher.rendezvous import SETTLE, members_first
+
+    members = frozenset({"a", "b"})
+    assert members_first("a", members, [], [], 0.0, 10.0)  # a member never waits
+    assert not members_first("s", members, ["a"], ["a", "b", "s"], 5.0, 10.0)  # b is alive
+    assert not members_first("s", members, ["a", "b"], ["a", "b", "s"], SETTLE / 2, 10.0)
+    assert members_first("s", members, ["a", "b"], ["a", "b", "s"], SETTLE, 10.0)
+    assert members_first("s", members, ["a"], ["a", "s"], SETTLE, 10.0)  # b is gone
+    assert members_first("s", members, ["a"], ["a", "b", "s"], 10.0, 10.0)  # grace over
+    assert members_first("s", frozenset(), [], [], SETTLE, 10.0)  # no last round seen

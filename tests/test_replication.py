@@ -11,12 +11,15 @@ that never failed.
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
 import shlex
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,8 +31,8 @@ from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, kill_tree, ru
 TRAIN = (str(SCRIPTS / "train_ckpt.py"), "--grad-sync", "params")
 STEPS = 60
 ROOT = os.geteuid() == 0
-
-pytestmark = pytest.mark.etcd
+RUN_BUDGET = 400  # seconds for one _run_and_replace, within the module's pytest timeout
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(480)]
 
 
 class Host:
@@ -71,8 +74,11 @@ def _slots(tmp: Path) -> dict[str, int]:
     return found
 
 
-def _wait(predicate, timeout: float, what: str, hosts: list[Host]) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
+def _wait(predicate, timeout: float, what: str, hosts: list[Host],  # type: ignore[no-untyped-def]
+          by: float = float("inf")) -> None:
+    """Wait until ``predicate()``, at most ``timeout`` seconds and not past the monotonic
+    time ``by``; on timeout fail with the tail of every host's output."""
+    deadline = min(time.monotonic() + timeout, by)
     while not predicate():
         if time.monotonic() > deadline:
             logs = "\n".join(f"--- {h.name}\n{h.output()[-2500:]}" for h in hosts)
@@ -80,10 +86,10 @@ def _wait(predicate, timeout: float, what: str, hosts: list[Host]) -> None:  # t
         time.sleep(0.2)
 
 
-def _reference(tmp: Path, world: int) -> dict:
+def _reference(tmp: Path, world: int, *train: str) -> dict:
     """The same training on one supervisor with the same world size, with no failure."""
     out = tmp / "reference.pt"
-    done = run([*GEMINI, "run", "--nproc-per-node", str(world), "--no-standby", *TRAIN,
+    done = run([*GEMINI, "run", "--nproc-per-node", str(world), "--no-standby", *TRAIN, *train,
                 "--steps", str(STEPS), "--out", str(out)],
                env=env_with(tmp / "ref", GEMINI_HOST_ID="ref"), timeout=240)
     assert done.returncode == 0, done.output[-3000:]
@@ -111,13 +117,17 @@ def _tensors(tree: object, path: str = "") -> dict[str, torch.Tensor]:
 
 
 def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
-                     nproc: int = 2, spare: bool = False) -> list[dict]:
-    """Train on ``nodes`` hosts of ``nproc`` workers; once past step 20 kill the hosts in
-    node slots ``victims`` and start one replacement each (or, with ``spare``, start one
-    more host before the kill, which waits as a standby: ``--nnodes N:N`` is full);
-    return the restore_plan events that follow the kill. The output of rank 0 goes to
-    ``tmp/out.pt``."""
+                     nproc: int = 2, spares: int = 0, kill_at: int = 20,
+                     train: tuple[str, ...] = (), replace_after: float = 0.0,
+                     probe: Callable[[EtcdServer], None] | None = None) -> list[dict]:
+    """Train on ``nodes`` hosts of ``nproc`` workers; once rank 0 printed step ``kill_at``
+    kill the hosts in node slots ``victims`` and start one replacement each,
+    ``replace_after`` seconds later (or, with ``spares``, start that many more hosts
+    before the kill, which wait as standbys: ``--nnodes N:N`` is full); return the restore_plan
+    events that follow the kill. ``probe`` runs just before the kill. The output of rank 0
+    goes to ``tmp/out.pt``."""
     hosts: list[Host] = []
+    by = time.monotonic() + RUN_BUDGET  # fail with the hosts' logs before pytest's timeout
     with EtcdServer() as etcd:
         def argv() -> list[str]:
             return [*GEMINI, "run", "--nnodes", f"{nodes}:{nodes}", "--nproc-per-node", str(nproc),
@@ -125,30 +135,34 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
                     "--rdzv-id", "repl", "--rdzv-conf", "last_call_timeout=1",
                     "--store", etcd.url, "--host-ttl", "3", "--max-restarts", "5",
                     "--replication-addr", "127.0.0.1", "--no-standby", *extra,
-                    *TRAIN, "--steps", str(STEPS), "--sleep", "0.1", "--out", str(tmp / "out.pt")]
+                    *TRAIN, *train, "--steps", str(STEPS), "--sleep", "0.1",
+                    "--out", str(tmp / "out.pt")]
 
         try:
             hosts = [Host(tmp, f"h{i}", argv()) for i in range(nodes)]
-            _wait(lambda: len(_slots(tmp)) == nodes, 120, "every host in the rendezvous", hosts)
+            _wait(lambda: len(_slots(tmp)) == nodes, 120, "every host in the rendezvous", hosts,
+                  by)
             by_slot = {slot: name for name, slot in _slots(tmp).items()}
             rank0 = next(h for h in hosts if h.name == by_slot[0])
-            if spare:
-                hosts.append(Host(tmp, "new0", argv()))
-                _wait(lambda: any(e["event"] == "launch" and e["host"] == "new0"
-                                  for e in events(tmp / "runs")), 60, "the standby", hosts)
-            _wait(lambda: re.search(r"^step 2\d ", rank0.output(), re.M) is not None, 180,
-                  "step 20", hosts)
-            if spare:
-                assert "new0" not in _slots(tmp)  # waiting, not training
+            for i in range(spares):
+                hosts.append(Host(tmp, f"new{i}", argv()))
+                _wait(lambda i=i: any(e["event"] == "launch" and e["host"] == f"new{i}"
+                                      for e in events(tmp / "runs")), 60, "the standby", hosts, by)
+            _wait(lambda: re.search(rf"^step {kill_at} ", rank0.output(), re.M) is not None,
+                  180, f"step {kill_at}", hosts, by)
+            assert not {f"new{i}" for i in range(spares)} & set(_slots(tmp))  # waiting
+            if probe is not None:
+                probe(etcd)
             for slot in victims:
                 next(h for h in hosts if h.name == by_slot[slot]).kill()
             killed = time.time()
-            for i in range(0 if spare else len(victims)):
+            time.sleep(replace_after)
+            for i in range(0 if spares else len(victims)):
                 hosts.append(Host(tmp, f"new{i}", argv()))
             for host in hosts:
                 if host.name not in {by_slot[s] for s in victims}:
                     _wait(lambda h=host: h.proc.poll() is not None, 300, f"{host.name} to finish",
-                          hosts)
+                          hosts, by)
                     assert host.proc.returncode == 0, host.output()[-4000:]
         finally:
             for host in hosts:
@@ -178,7 +192,7 @@ def test_standby_host_takes_the_lost_slot(tmp_path: Path) -> None:
     the rendezvous; when a host is lost it is admitted in its place, takes its node slot
     and pulls its ranks from the surviving peer's memory."""
     reference = _reference(tmp_path, 4)
-    plans = _run_and_replace(tmp_path, 2, [1], spare=True)
+    plans = _run_and_replace(tmp_path, 2, [1], spares=1)
     assert _slots(tmp_path)["new0"] == 1
     assert {p["host"] for p in plans} == {"h0", "new0"}, plans
     assert len({p["step"] for p in plans}) == 1 and plans[0]["step"] >= 15, plans
@@ -186,6 +200,105 @@ def test_standby_host_takes_the_lost_slot(tmp_path: Path) -> None:
         want = "peer" if plan["host"] == "new0" else "memory"
         assert set(plan["sources"].values()) == {want}, plan  # type: ignore[union-attr]
     _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+# ~3 MB of model and Adam state per rank, replicated at 4 MB/s: one replication takes
+# several iterations, so the replicas of every host lag behind its own newest steps.
+SLOW = ("--replication-rate", "4")
+STATE = ("--width", "256", "--depth", "4")
+
+
+@pytest.mark.parametrize("spares", [0, 1])
+def test_a_lost_host_costs_at_most_the_replication_lag(tmp_path: Path, spares: int) -> None:
+    """Replication lags several steps behind training; the host of rank 0 is killed at a
+    random step, mid-replication, and a spare (or a replacement started a second later)
+    takes its place. Every rank resumes at one step no older than the replication lag
+    bound (2k + margin steps, k the steps between two replicated steps), never at step 0,
+    and training ends bitwise equal to a run without failure: a torn replica is never
+    chosen."""
+    reference = _reference(tmp_path, 2, *STATE)
+    kill_at = random.randint(25, 40)
+    plans = _run_and_replace(tmp_path, 2, [0], *SLOW, nproc=1, spares=spares, kill_at=kill_at,
+                             train=STATE, replace_after=0 if spares else 1.0)
+    killed = min(float(p["ts"]) for p in plans)  # type: ignore[arg-type]
+    progress = [e for e in events(tmp_path / "runs")
+                if e["event"] == "replication_progress" and float(e["ts"]) < killed]  # type: ignore[arg-type]
+    assert progress, "replication never completed a step before the kill"
+    every = max(int(e["every"]) for e in progress)  # type: ignore[call-overload]
+    margin = max(int(e["margin"]) for e in progress)  # type: ignore[call-overload]
+    assert every > 1, progress  # the lag is real: replication takes several steps
+    assert {p["host"] for p in plans} == {"h1", "new0"}, plans
+    assert len({p["step"] for p in plans}) == 1, plans
+    step = plans[0]["step"]
+    # 2k + margin, plus a step for each read of the plan and the kill's own delay
+    assert step is not None and step >= kill_at - (2 * every + margin + 3), (kill_at, plans)
+    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def test_a_replica_torn_by_the_loss_is_never_chosen(tmp_path: Path) -> None:
+    """The host of rank 0 dies while its push of the next target is on the wire: the
+    survivor holds half a replica of it next to its complete replica of s*. Every rank
+    resumes at s*, and the run ends bitwise equal to one without failure."""
+    from launcher.replication.progress import Plan
+    from launcher.store import open_store
+
+    reference = _reference(tmp_path, 2, *STATE)
+    at_kill: list[Plan] = []
+
+    def mid_push(etcd: EtcdServer) -> None:
+        store = open_store(etcd.url)
+        try:
+            def pushing() -> bool:
+                plan = Plan.loads(store.get("gemini/runs/repl/replication/plan"))
+                if plan is None or plan.sstar < 0:
+                    return False
+                steps = [int(m) for log in tmp_path.glob("h*.log")
+                         for m in re.findall(r"^step (\d+) ", log.read_text(), re.M)]
+                # one push takes about 0.8 s, several steps: two steps after the target
+                # was committed it is half sent
+                if max(steps, default=-1) >= plan.target + 2:
+                    at_kill.append(plan)
+                    return True
+                return False
+            _wait(pushing, 120, "a push on the wire", [])
+        finally:
+            store.close()
+
+    plans = _run_and_replace(tmp_path, 2, [0], *SLOW, nproc=1, spares=1, train=STATE,
+                             probe=mid_push)
+    sstar = at_kill[-1].sstar
+    assert {p["host"] for p in plans} == {"h1", "new0"}, plans
+    assert {p["step"] for p in plans} == {sstar}, (at_kill, plans)
+    survivor = next(p for p in plans if p["host"] == "h1")
+    assert survivor["replicas"]["0"] == [sstar], survivor  # the other slot: torn, unverified
+    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+@pytest.mark.parametrize("spares", [2])
+def test_spares_wait_without_disturbing_the_group(tmp_path: Path, spares: int) -> None:
+    """Two spares started while two hosts train: the group never restarts for them; the
+    loss of a host costs exactly one recovery round, in which one spare takes its place
+    while the other keeps waiting, and ends when the job does."""
+    def status(etcd: EtcdServer) -> None:
+        done = run([*GEMINI, "status", "--json", "--store", etcd.url, "--run-id", "repl"],
+                   env=env_with(tmp_path), timeout=60)
+        assert done.returncode == 0, done.output
+        found = json.loads(done.stdout)
+        assert sorted(found["spares"]) == [f"new{i}" for i in range(spares)], found["hosts"]
+        assert found["replication"]["sstar"] >= 0, found["replication"]
+        table = run([*GEMINI, "status", "--store", etcd.url, "--run-id", "repl"],
+                    env=env_with(tmp_path), timeout=60)
+        assert "host-loss recovery step s*:" in table.stdout and "new0" in table.stdout
+
+    plans = _run_and_replace(tmp_path, 2, [1], nproc=1, spares=spares, probe=status)
+    found = events(tmp_path / "runs")
+    killed = min(float(e["ts"]) for e in found if e["event"] == "restart")  # type: ignore[arg-type]
+    rounds = [e for e in found if e["event"] == "rendezvous"]
+    before = [e for e in rounds if float(e["ts"]) < killed]  # type: ignore[arg-type]
+    assert sorted(str(e["host"]) for e in before) == ["h0", "h1"], before
+    after = [str(e["host"]) for e in rounds if float(e["ts"]) >= killed]  # type: ignore[arg-type]
+    assert sorted(after) == ["h0", "new0"] or sorted(after) == ["h0", "new1"], after
+    assert len({p["step"] for p in plans}) == 1 and plans[0]["step"] >= 15, plans
 
 
 def test_lost_group_resumes_from_the_persistent_tier(tmp_path: Path) -> None:

@@ -10,8 +10,8 @@ takes the next step).
 Replication moves in lock step, one *target* at a time, all hosts on the same step:
 
 1. The leader (node 0 of the round) publishes a :class:`Plan`: s* and the next target T,
-   a step still in the future for every host (``margin`` steps past the newest it saw),
-   a multiple of ``every``.
+   a step still in the future for every host (``margin`` steps past the newest it saw;
+   with ``--replicate-every N``, the next multiple of N).
 2. Every host, once its workers commit the first step >= T, copies it into its own
    replica slots and pushes it to the rank's holders (each push tells the holder s*, so
    that it keeps s* and overwrites the older slot), then publishes a :class:`Done`.
@@ -20,9 +20,12 @@ Replication moves in lock step, one *target* at a time, all hosts on the same st
    overwrote it first, or its ranks caught different steps) reports a miss; the
    leader then plans a new target further ahead.
 
-``every`` (k) comes from ``--replicate-every`` or, by default, from the measurements: the
-number of iterations one replication takes, so that targets are spaced as far apart as
-replication needs and s* is never more than about 2k + margin steps old. Every function
+``every`` (k) is ``--replicate-every`` or, by default, measured: the number of iterations
+one replication takes. A new target is planned as soon as the last one is agreed, so
+targets are about k + margin steps apart, and s* is never more than about 2k + margin
+steps behind the newest step (k + margin while the next target is trained towards, k
+while it is replicated); with a fixed N, targets are multiples of N, and the bound is
+about 3N + margin. Every function
 here is pure: the replication service reads and writes the store and the slots.
 """
 
@@ -51,7 +54,8 @@ class Plan:
     target: int
     """Replicate the first committed step >= this."""
     every: int
-    """k: targets are multiples of it."""
+    """k: the iterations one replication takes, or ``--replicate-every`` N (then targets
+    are multiples of N)."""
     margin: int
     """Steps between the newest step the leader saw and the target."""
     lag_steps: int = 0
@@ -140,7 +144,7 @@ def first_plan(round_id: str, *, newest: int, interval: float | None, fixed_ever
     """The plan a round starts with: no s* yet, the first target ``margin`` steps ahead."""
     every = every_for(0.0, interval, fixed_every)
     margin = margin_for(interval)
-    return Plan(round=round_id, sstar=-1, target=target_after(newest, every, margin),
+    return Plan(round=round_id, sstar=-1, target=target_after(newest, fixed_every or 1, margin),
                 every=every, margin=margin)
 
 
@@ -165,7 +169,7 @@ def advance(plan: Plan, dones: Mapping[int, Done], *, nodes: int, newest: int,
         margin = min(MAX_MARGIN, plan.margin * 2)
         newest = max(newest, *steps)
     lag = max(0, newest - sstar) if sstar >= 0 else 0
-    return Plan(round=plan.round, sstar=sstar, target=target_after(max(newest, sstar), every,
-                                                                   margin),
+    return Plan(round=plan.round, sstar=sstar, target=target_after(max(newest, sstar),
+                                                                   fixed_every or 1, margin),
                 every=every, margin=margin, lag_steps=lag,
                 lag_seconds=round(lag * (interval or 0.0), 3), seconds=round(seconds, 3))

@@ -302,7 +302,7 @@ class ReplicationService:
                                             or time.monotonic() - self._reported > REPORT_EVERY):
                 self._reported = time.monotonic()
                 self.events.write("replication_progress", sstar=nxt.sstar, every=nxt.every,
-                                  lag_steps=nxt.lag_steps, lag_seconds=nxt.lag_seconds,
+                                  margin=nxt.margin, lag_steps=nxt.lag_steps, lag_seconds=nxt.lag_seconds,
                                   seconds=nxt.seconds)
 
     def _write_plan(self, plan: progress.Plan) -> None:

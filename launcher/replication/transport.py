@@ -417,7 +417,7 @@ def _recv_data(sock: socket.socket, view: memoryview, timeout: float,
 def _send_file(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
                pace: Callable[[int], None] | None = None) -> None:
     """Send ``count`` bytes of file ``fd`` from ``offset`` with ``os.sendfile``, calling
-    ``pace`` (which may wait) with the bytes sent so far before each chunk."""
+    ``pace`` (which may wait) with the bytes sent so far before each chunk and at the end."""
     sent = 0
     try:
         sock.settimeout(timeout)  # the descriptor is non-blocking from here on
@@ -437,6 +437,8 @@ def _send_file(sock: socket.socket, fd: int, offset: int, count: int, timeout: f
             if k == 0:
                 raise ReplicationError(f"slot file ended after {sent} of {count} data bytes")
             sent += k
+        if pace is not None:
+            pace(sent)  # the last chunk counts too: a rate holds for the whole push
     except OSError as exc:
         raise _Broken(f"connection lost after {sent} of {count} data bytes: {exc}") from None
 
