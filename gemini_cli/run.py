@@ -66,6 +66,10 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "[default: embedded, next to the run root]"),
     (("--host-ttl", "--host_ttl"), "host_ttl",
      "Seconds without a heartbeat before a host counts as lost.  [default: 10]"),
+    (("--store-timeout", "--store_timeout"), "store_timeout",
+     "Seconds an etcd store may stay unreachable while training goes on; past them the "
+     "workers stop, their checkpoints stay in memory, exit 3.  0: exit at once.  "
+     "[default: 60]"),
     (("--hang-timeout", "--hang_timeout"), "hang_timeout",
      "Seconds without an optimizer step or save in a worker's Checkpointer before the "
      "host's workers count as hung and are restarted; 0 turns hang detection off.  "

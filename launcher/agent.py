@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from launcher.config import TORCHRUN_FIELDS, RunConfig
-from launcher.errors import ConfigError, Interrupted, StoreError, UsageError, WorkerFailedError
+from launcher.errors import (
+    ConfigError,
+    Interrupted,
+    StoreError,
+    StoreUnavailableError,
+    UsageError,
+    WorkerFailedError,
+)
 from launcher.events import EventLog, run_directory
 
 if TYPE_CHECKING:
@@ -566,7 +573,7 @@ def _launch(config: RunConfig, command: Command,
     from launcher.coordination import CoordinationService
     from launcher.slots import SlotOwner
     from launcher.standby import StandbyService
-    from launcher.store import open_store
+    from launcher.store import open_store, watch_outages
 
     args = torchrun.parse_args(torchrun_argv(config, command))  # type: ignore[no-untyped-call]
     _apply_torchrun_defaults(args, torchrun.parse_min_max_nnodes)
@@ -575,11 +582,12 @@ def _launch(config: RunConfig, command: Command,
     if not launch_config.run_id:
         launch_config.run_id = str(uuid.uuid4().int)
 
-    from launcher.rendezvous import register, speed_up_rendezvous
+    from launcher.rendezvous import STORE_TIMEOUT_KEY, register, speed_up_rendezvous
 
     speed_up_rendezvous(single_node=launch_config.max_nodes == 1)
     if launch_config.rdzv_backend == "etcd-v3":
         register()
+        launch_config.rdzv_configs.setdefault(STORE_TIMEOUT_KEY, config.store_timeout)
     try:
         spec = _worker_spec(launch_config, entrypoint, tuple(entry_args))
     except (RendezvousError, DistError) as exc:
@@ -597,9 +605,11 @@ def _launch(config: RunConfig, command: Command,
     except OSError as exc:
         owner.close()
         raise ConfigError(f"cannot write the run directory {run_dir}: {exc.strerror}") from None
+    unwatch = watch_outages(lambda event, fields: events.write(event, **fields))
     services: list[SupervisorService] = []  # coordination closes first, the slots last
     try:
-        store = open_store(config.store or default_store_url(config.run_root))
+        store = open_store(config.store or default_store_url(config.run_root),
+                           outage=config.store_timeout)
         coordination = CoordinationService(store, run_id=launch_config.run_id,
                                            host_id=owner.host_id, owner=owner,
                                            ttl=config.host_ttl)
@@ -616,6 +626,7 @@ def _launch(config: RunConfig, command: Command,
         for service in services:
             service.close()
         owner.close()
+        unwatch()
         events.close()
         raise
     if launch_config.max_nodes > 1:
@@ -669,13 +680,23 @@ def _launch(config: RunConfig, command: Command,
                 error_handler.dump_error_file(first.error_file, first.exitcode)
             raise WorkerFailedError(failed.format_msg())  # type: ignore[no-untyped-call]
         outcome = "succeeded"
-    except (RendezvousError, DistError) as exc:
-        raise StoreError(f"rendezvous failed: {type(exc).__name__}: {exc}") from exc
     except SignalException as exc:
         shutdown_rdzv = False
         outcome = "interrupted"
         torch_events.record(agent.get_event_failed(), launch_config.event_log_handler)
         raise Interrupted(int(exc.sigval)) from None
+    except Exception as exc:
+        outage = _store_outage(exc)
+        if outage is not None:  # torch stopped the workers; their memory stays for the next run
+            shutdown_rdzv = False
+            outcome = "store_unavailable"
+            owner.keep_segments()
+            raise StoreUnavailableError(
+                f"{outage}; the workers were stopped and their checkpoints stay in shared "
+                "memory for the next `gemini run` of this run on this host") from None
+        if isinstance(exc, (RendezvousError, DistError)):
+            raise StoreError(f"rendezvous failed: {type(exc).__name__}: {exc}") from exc
+        raise
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
@@ -684,7 +705,20 @@ def _launch(config: RunConfig, command: Command,
             memory_service.replication.stop_sending()  # it uses the store, closed first
         for service in services:
             service.close()
+        unwatch()
         events.close()
+
+
+def _store_outage(exc: BaseException) -> StoreUnavailableError | None:
+    """The outage past ``--store-timeout`` behind ``exc`` (torch wraps it), if any."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, StoreUnavailableError):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, events: EventLog,

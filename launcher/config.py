@@ -112,6 +112,10 @@ class RunConfig:
     (default: an embedded store, ``store.db`` next to the run root)."""
     host_ttl: float = dataclasses.field(default=10.0, metadata={"gemini": True})
     """Seconds without a heartbeat after which a host counts as lost."""
+    store_timeout: float = dataclasses.field(default=60.0, metadata={"gemini": True})
+    """Seconds an etcd store may stay unreachable (restarting, hung, without quorum) while
+    training goes on; past them the supervisor stops its workers and exits 3, leaving
+    their checkpoints in shared memory for the next ``gemini run`` (0: exit at once)."""
     hang_timeout: float = dataclasses.field(default=0.0, metadata={"gemini": True})
     """Seconds without progress (an optimizer step or save of a worker's Checkpointer)
     after which the host's workers are killed and restarted (0: no hang detection)."""
@@ -129,7 +133,7 @@ class RunConfig:
     replicate_every: int = dataclasses.field(default=0, metadata={"gemini": True})
     """Replicate the steps that are multiples of N (the same steps on every host); 0
     chooses N from the measurements: the iterations one replication takes. A host loss
-    costs at most about 2N steps plus the few of the safety margin."""
+    costs at most about 2N steps (3N with a fixed N) plus the few of the safety margin."""
     replication_rate: float = dataclasses.field(default=0.0, metadata={"gemini": True})
     """Cap on the replication traffic of one push, in MB/s (0: no cap beyond pacing)."""
     pace: bool = dataclasses.field(default=True, metadata={"gemini": True})
@@ -159,6 +163,7 @@ class RunConfig:
             _parse_host_port(self.replication_addr, "replication_addr")
         for name, ok, rule in (
             ("host_ttl", self.host_ttl >= 1, ">= 1 second"),
+            ("store_timeout", self.store_timeout >= 0, ">= 0 seconds"),
             ("hang_timeout", self.hang_timeout >= 0, ">= 0 seconds"),
             ("replicas", self.replicas >= 1, ">= 1"),
             ("replicate_every", self.replicate_every >= 0, ">= 0"),

@@ -16,8 +16,11 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
 
 Each supervisor runs :class:`CoordinationService`: it registers under a lease kept alive
 in the background, publishes its ranks' newest committed steps, campaigns for root, and,
-while root, records a ``host_lost`` event when another host's lease expires. Store
-outages never stop training: writes are queued and retried by the heartbeat thread.
+while root, records a ``host_lost`` event when another host's lease expires (after a
+store outage, only if the host has not registered again within a ttl: no lease could be
+refreshed meanwhile). Store outages never stop training: writes are queued and retried by
+the heartbeat thread, and a lease that expired meanwhile is replaced and every key bound
+to it published again.
 :func:`read_status` turns one prefix read into the snapshot ``gemini status`` shows.
 """
 
@@ -104,6 +107,11 @@ class CoordinationService:
         self._keeper.stop()
         with self._lock:
             self._record.update(state="exited", heartbeat=time.time())
+        if self.store.unreachable_within(0):  # each write would wait out its deadline
+            logger.warning("the coordination store is unreachable: this host's record stays "
+                           "as it was, and its lease expires")
+            self.store.close()
+            return
         try:
             self._publish_steps()
             self._flush()
@@ -147,8 +155,25 @@ class CoordinationService:
             self._campaign()  # the lost host may have been the root
         except StoreError as exc:
             logger.warning("could not campaign for root: %s", exc)
-        if self.is_root:
-            self.record_event("host_lost", {"lost": host})
+        if not self.is_root:
+            return
+        if self.store.unreachable_within(self.ttl):
+            # No lease could be refreshed while the store was away: a host counts as lost
+            # only if it has not registered again a ttl later.
+            timer = threading.Timer(self.ttl, self._confirm_lost, args=(host,))
+            timer.daemon = True
+            timer.start()
+            return
+        self.record_event("host_lost", {"lost": host})
+
+    def _confirm_lost(self, host: str) -> None:
+        if self._stop.is_set() or not self.is_root:
+            return
+        try:
+            if self.store.get(self.prefix + f"alive/{host}") is None:
+                self.record_event("host_lost", {"lost": host})
+        except StoreError as exc:
+            logger.warning("could not check whether host %s is back: %s", host, exc)
 
     def _heartbeat(self) -> None:
         interval = max(0.2, self.ttl / 3)

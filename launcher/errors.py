@@ -32,6 +32,15 @@ class StoreError(GeminiError):
     """The coordination store is unreachable or answered inconsistently."""
 
 
+class StoreUnavailableError(StoreError):
+    """The coordination store stayed unreachable for longer than the outage window
+    (``--store-timeout``)."""
+
+
+class StoreUncertainError(StoreError):
+    """A write timed out: it may or may not have been applied; read it back."""
+
+
 class StorageError(GeminiError):
     """Shared memory or persistent storage cannot hold or return a checkpoint."""
 

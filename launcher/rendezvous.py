@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     create_handler,
 )
 
-from launcher.errors import StoreError
+from launcher.errors import StoreError, StoreUncertainError
 from launcher.store import Store, open_store
 
 BACKEND = "etcd-v3"
@@ -41,7 +41,7 @@ class StoreRendezvousBackend(RendezvousBackend):
     """The rendezvous state of one run in one key; the token is the state's bytes."""
 
     def __init__(self, store: Store, run_id: str) -> None:
-        self._store = store
+        self.store = store
         self._key = f"gemini/rdzv/{run_id}/state"
 
     @property
@@ -49,7 +49,7 @@ class StoreRendezvousBackend(RendezvousBackend):
         return BACKEND
 
     def get_state(self) -> tuple[bytes, Token] | None:
-        value = self._call(self._store.get, self._key)
+        value = self._call(self.store.get, self._key)
         return None if value is None else (value, value)
 
     def set_state(self, state: bytes, token: Token | None = None
@@ -58,10 +58,16 @@ class StoreRendezvousBackend(RendezvousBackend):
         if token is not None and expected is None:  # a token from elsewhere: refuse to set
             current = self.get_state()
             return None if current is None else (*current, False)
-        if self._call(self._store.compare_and_set, self._key, expected, state):
-            return state, state, True
-        current = self.get_state()
-        return None if current is None else (*current, False)
+        try:
+            if self._call(self.store.compare_and_set, self._key, expected, state):
+                return state, state, True
+        except RendezvousConnectionError as exc:
+            if not isinstance(exc.__cause__, StoreUncertainError):
+                raise
+        current = self.get_state()  # after a timed-out write: whether it was applied
+        if current is None:
+            return None
+        return (*current, current[0] == state)
 
     @staticmethod
     def _call(fn: Any, *args: Any) -> Any:
@@ -138,6 +144,8 @@ class TorchStore(_TorchStoreBase):
 #: apart; a lost host then holds up every survivor for up to 15 s. etcd handles one
 #: keep-alive per host and second easily.
 KEEP_ALIVE = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+#: The ``--rdzv-conf`` key carrying ``--store-timeout`` to the etcd-v3 backend.
+STORE_TIMEOUT_KEY = "store_timeout"
 
 
 def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -146,7 +154,8 @@ def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
         raise ValueError("--rdzv-backend etcd-v3 needs --rdzv-endpoint HOST:PORT[,HOST:PORT...]")
     for key, value in KEEP_ALIVE.items():  # --rdzv-conf overrides these
         params.config.setdefault(key, value)
-    store = open_store(f"etcd://{params.endpoint}")
+    outage = float(params.config.pop(STORE_TIMEOUT_KEY, 0) or 0)
+    store = open_store(f"etcd://{params.endpoint}", outage=outage)
     backend = StoreRendezvousBackend(store, params.run_id)
     # c10d's --rdzv-conf key for its store's timeout, here too
     timeout = datetime.timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
@@ -201,6 +210,10 @@ def speed_up_rendezvous(*, single_node: bool) -> None:
     if not getattr(handler, "_gemini_steady_keep_alive", False):
         setattr(handler, "_start_heartbeats", _steady_heartbeats)  # noqa: B010
         setattr(handler, "_gemini_steady_keep_alive", True)  # noqa: B010
+    holder = dynamic_rendezvous._BackendRendezvousStateHolder
+    if not getattr(holder, "_gemini_outage_aware", False):
+        setattr(holder, "_sanitize", _outage_aware(holder._sanitize))  # noqa: B010
+        setattr(holder, "_gemini_outage_aware", True)  # noqa: B010
     join = dynamic_rendezvous._RendezvousJoinOp
     if not getattr(join, "_gemini_members_first", False):
         setattr(join, "__call__", _members_first(join.__call__))  # noqa: B010
@@ -220,6 +233,25 @@ def _steady_heartbeats(self: Any) -> None:
     self._keep_alive_timer = _PeriodicTimer(interval, self._keep_alive_weak, weakref.ref(self))
     self._keep_alive_timer.set_name(f"RendezvousKeepAliveTimer_{self._this_node.local_id}")
     self._keep_alive_timer.start()
+
+
+def _outage_aware(sanitize: Any) -> Any:
+    """torch's removal of dead nodes from the rendezvous state, skipped while the store is
+    away and for one keep-alive grace after it is back: no node could heartbeat through
+    the outage, so every heartbeat is stale, and a node that synced first would drop all
+    the others, healthy as they are, from the running round."""
+
+    def sanitize_unless_after_outage(self: Any) -> None:
+        store = getattr(self._backend, "store", None)
+        settings = self._settings
+        grace = (settings.keep_alive_interval * settings.keep_alive_max_attempt
+                 ).total_seconds() + settings.keep_alive_interval.total_seconds()
+        if store is not None and store.unreachable_within(grace):
+            self._dead_nodes = []
+            return
+        sanitize(self)
+
+    return sanitize_unless_after_outage
 
 
 SETTLE = 0.5

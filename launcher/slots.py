@@ -84,6 +84,7 @@ class SlotOwner:
         self._slots: dict[int, list[memory.Segment | None]] = {}
         self._replicas: dict[int, list[memory.Segment | None]] = {}  # copies for peer hosts
         self._pins: dict[int, int] = {}  # rank -> the replica step no write may overwrite
+        self._keep = False
         for n in range(1 if fixed_host_id else 1024):
             self.host_id = host_id if n == 0 else f"{host_id}-{n}"
             self.prefix = memory.segment_prefix(run_id, self.host_id)
@@ -134,16 +135,25 @@ class SlotOwner:
                 f"(pid {owner['pid']}); give this one another GEMINI_HOST_ID or --rdzv-id")
         return False
 
+    def keep_segments(self) -> None:
+        """Leave the slots in shared memory when closing, for the next supervisor of this
+        run and host to adopt (its owner file then names a dead process)."""
+        self._keep = True
+
     def close(self) -> None:
-        """Unmap and unlink every slot and the owner file (idempotent)."""
+        """Unmap and unlink every slot and the owner file (idempotent); with
+        :meth:`keep_segments`, unmap only."""
         with self._lock:
             for pair in [*self._slots.values(), *self._replicas.values()]:
                 for segment in pair:
                     if segment is not None:
                         segment.close()
-                        memory.unlink_segment(segment.name)
+                        if not self._keep:
+                            memory.unlink_segment(segment.name)
             self._slots.clear()
             self._replicas.clear()
+            if self._keep:
+                return
             for name in memory.list_segments(self.prefix):
                 memory.unlink_segment(name)
 

@@ -6,8 +6,11 @@ that a lost host's keys vanish when its lease expires; one supervisor is elected
 protocol every part of gemini uses; two implementations fulfil it:
 
 * :class:`EtcdStore` talks to an etcd v3 cluster (``etcd://host:port[,host:port...]``),
-  for runs that span hosts. Every call has a deadline; an unreachable cluster raises
-  :class:`~launcher.errors.StoreError` instead of hanging.
+  for runs that span hosts. Every call has a deadline. A supervisor's store rides out an
+  outage of the whole cluster (a restart, a hung or lost quorum) for up to an *outage
+  window* (``--store-timeout``), retrying with backoff; past it a call raises
+  :class:`~launcher.errors.StoreUnavailableError` instead of hanging. Outages are logged
+  once when they begin and once when they end, and reported to :func:`watch_outages`.
 * :class:`EmbeddedStore` keeps everything in one SQLite file (``embedded:///path.db``),
   the default for single-host runs: no server, and every process on the host that opens
   the same file sees the same keys.
@@ -24,6 +27,7 @@ import logging
 import math
 import os
 import queue
+import random
 import sqlite3
 import threading
 import time
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from launcher.errors import ConfigError, StoreError
+from launcher.errors import ConfigError, StoreError, StoreUnavailableError, StoreUncertainError
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +148,11 @@ class Store(Protocol):
 
     def leader(self, election: str) -> str | None:
         """The candidate leading ``election``, or None."""
+        ...
+
+    def unreachable_within(self, seconds: float) -> bool:
+        """Whether the store was unreachable at some moment of the last ``seconds``
+        (or is now): what other hosts failed to refresh meanwhile says nothing about them."""
         ...
 
     def close(self) -> None:
@@ -277,6 +286,76 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+# -- outages ---------------------------------------------------------------------------------
+#: Called with ``("store_unreachable", {"store", "error", "window"})`` when an outage begins
+#: and ``("store_back", {"store", "seconds"})`` when it ends.
+OutageCallback = Callable[[str, dict[str, Any]], None]
+_OUTAGE_LISTENERS: list[OutageCallback] = []
+
+
+def watch_outages(callback: OutageCallback) -> Callable[[], None]:
+    """Report every store outage of this process to ``callback``; returns the function
+    that stops the reports."""
+    _OUTAGE_LISTENERS.append(callback)
+    return lambda: _OUTAGE_LISTENERS.remove(callback) if callback in _OUTAGE_LISTENERS else None
+
+
+class _Outage:
+    """Whether one cluster (a set of endpoints) can be reached, shared by every client of
+    it in this process: one outage is logged and reported once, and its window is counted
+    from its first failed call, whichever thread made it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self.since: float | None = None  # monotonic start of the current outage
+        self.ended = -math.inf  # monotonic end of the last one
+
+    def failed(self, error: str, window: float, sent: float) -> float:
+        """Record a call sent at monotonic time ``sent`` that failed; the seconds the outage
+        has lasted (since the first failed call was sent)."""
+        now = time.monotonic()
+        with self._lock:
+            first = self.since is None
+            since = self.since = sent if self.since is None else self.since
+        if first:
+            logger.warning("coordination store %s unreachable; retrying for up to %g s "
+                           "(--store-timeout): %s", self.name, window, error)
+            _report("store_unreachable", store=self.name, error=error, window=window)
+        return now - since
+
+    def succeeded(self) -> None:
+        with self._lock:
+            if self.since is None:
+                return
+            now = time.monotonic()
+            seconds, self.since, self.ended = now - self.since, None, now
+        logger.warning("coordination store %s is back after %.1f s", self.name, seconds)
+        _report("store_back", store=self.name, seconds=round(seconds, 3))
+
+    def within(self, seconds: float) -> bool:
+        with self._lock:
+            return self.since is not None or time.monotonic() - self.ended < seconds
+
+
+_OUTAGES: dict[tuple[str, ...], _Outage] = {}
+_OUTAGES_LOCK = threading.Lock()
+
+
+def _outage_of(endpoints: Sequence[str]) -> _Outage:
+    key = tuple(sorted(endpoints))
+    with _OUTAGES_LOCK:
+        return _OUTAGES.setdefault(key, _Outage("etcd://" + ",".join(endpoints)))
+
+
+def _report(event: str, **fields: Any) -> None:
+    for callback in list(_OUTAGE_LISTENERS):
+        try:
+            callback(event, fields)
+        except Exception:  # a listener's bug must not break the store
+            logger.exception("outage listener failed")
+
+
 # -- etcd ------------------------------------------------------------------------------------
 _GRPC_OPTIONS = [
     # ``gemini status`` reads whole runs in one response; gRPC's default cap is 4 MiB.
@@ -324,6 +403,9 @@ class _StoreBase:
         value = self.get(election)
         return None if value is None else value.decode()
 
+    def unreachable_within(self, seconds: float) -> bool:
+        return False  # a local file: never away
+
     def keep_alive(self, lease: Lease) -> KeepAlive:
         keepalive = KeepAlive(lease)
         with self._lock:
@@ -350,21 +432,31 @@ class EtcdStore(_StoreBase):
 
     ``endpoints`` are ``host:port`` strings of members of one cluster. A call goes to the
     endpoint that answered last; if that one cannot be reached, to the next, each with a
-    deadline of ``timeout`` seconds, so a call gives up after at most
-    ``len(endpoints) * timeout`` seconds. Opening the store checks that it answers.
-    Lease ttls are rounded up to whole seconds.
+    deadline of ``timeout`` seconds. When none answers, the call is retried with
+    exponential backoff and jitter until the cluster answers or ``outage`` seconds have
+    passed since the outage began (0: give up at once); then it raises
+    :class:`~launcher.errors.StoreUnavailableError`. A compare-and-set that timed out
+    is not retried (it may have been applied): it raises
+    :class:`~launcher.errors.StoreUncertainError` for the caller to read back. Opening the
+    store checks that it answers, without waiting. Lease ttls are rounded up to whole
+    seconds.
     """
 
-    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0) -> None:
+    def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0,
+                 outage: float = 0.0) -> None:
         import pyetcd
 
         if not endpoints:
             raise ConfigError("an etcd store needs at least one endpoint")
         if not timeout > 0:
             raise ConfigError(f"store timeout must be positive, not {timeout!r}")
+        if not outage >= 0:
+            raise ConfigError(f"store outage window must be >= 0, not {outage!r}")
         members = [_parse_endpoint(e) for e in endpoints]
         self.endpoints = [f"{host}:{port}" for host, port in members]
         self.timeout = timeout
+        self.outage = outage
+        self._outage = _outage_of(self.endpoints)
         self._grpc = _grpc()
         self._exceptions = importlib.import_module("pyetcd.exceptions")
         # One single-endpoint client per member. time_retry=0: pyetcd would otherwise
@@ -382,7 +474,8 @@ class EtcdStore(_StoreBase):
         self._watches: list[_EtcdWatch] = []
         self._keepalives: list[KeepAlive] = []
         try:
-            self._call("connect", lambda c: c.get_response(b"\0", count_only=True))
+            self._call("connect", lambda c: c.get_response(b"\0", count_only=True),
+                       patient=False)
         except StoreError:
             self.close()
             raise
@@ -391,12 +484,40 @@ class EtcdStore(_StoreBase):
         return f"EtcdStore({','.join(self.endpoints)})"
 
     # -- the edge: every pyetcd call goes through here -------------------------------------
-    def _call(self, what: str, fn: Callable[[Any], _T], *, retry_timeout: bool = True) -> _T:
-        """``fn(client)`` on the first endpoint that answers; pyetcd and gRPC errors become
-        StoreError. A timed-out call is not retried elsewhere unless ``retry_timeout``
-        (its effect is unknown, which matters for compare-and-set)."""
-        if self._closed:
-            raise StoreError(f"{what}: the etcd store is closed")
+    def _call(self, what: str, fn: Callable[[Any], _T], *, retry_timeout: bool = True,
+              patient: bool = True) -> _T:
+        """``fn(client)`` on the first endpoint that answers, through an outage of up to
+        the window when ``patient``; pyetcd and gRPC errors become StoreError. A timed-out
+        call is not retried unless ``retry_timeout`` (its effect is unknown, which matters
+        for compare-and-set)."""
+        delay = 0.05
+        while True:
+            if self._closed:
+                raise StoreError(f"{what}: the etcd store is closed")
+            sent = time.monotonic()
+            try:
+                result = self._call_once(what, fn, retry_timeout)
+            except _Unreachable as exc:
+                if not (patient and self.outage > 0):
+                    raise StoreError(str(exc)) from exc.__cause__
+                lasted = self._outage.failed(str(exc), self.outage, sent)
+                if exc.uncertain:
+                    raise StoreUncertainError(str(exc)) from exc.__cause__
+                if lasted >= self.outage:
+                    raise StoreUnavailableError(
+                        f"the coordination store {self._outage.name} has been unreachable "
+                        f"for {lasted:.0f} s (--store-timeout {self.outage:g}): {exc}"
+                    ) from exc.__cause__
+                time.sleep(min(delay, self.outage - lasted) * random.uniform(0.5, 1.0))
+                delay = min(1.0, delay * 2)
+                continue
+            self._outage.succeeded()
+            return result
+
+    def unreachable_within(self, seconds: float) -> bool:
+        return self._outage.within(seconds)
+
+    def _call_once(self, what: str, fn: Callable[[Any], _T], retry_timeout: bool) -> _T:
         grpc, exceptions = self._grpc, self._exceptions
         unreachable = (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
                        exceptions.NoServerAvailableError, exceptions.WatchTimedOut)
@@ -416,11 +537,12 @@ class EtcdStore(_StoreBase):
                 failures.append(f"{self.endpoints[index]}: {_describe(exc)}")
                 cause = exc
                 if timed_out and not retry_timeout:
-                    break
+                    raise _Unreachable(f"etcd {what} timed out: {'; '.join(failures)}",
+                                       uncertain=True) from exc
                 continue
             self._current = index
             return result
-        raise StoreError(f"etcd unreachable ({what}): {'; '.join(failures)}") from cause
+        raise _Unreachable(f"etcd unreachable ({what}): {'; '.join(failures)}") from cause
 
     # -- keys ------------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
@@ -468,7 +590,8 @@ class EtcdStore(_StoreBase):
         return StoreLease(int(granted.id), float(granted.ttl), self)
 
     def _refresh_lease(self, lease_id: int) -> bool:
-        responses = self._call("refresh-lease", lambda c: list(c.refresh_lease(lease_id)))
+        responses = self._call("refresh-lease", lambda c: list(c.refresh_lease(lease_id)),
+                               patient=False)  # KeepAlive retries, and must stop promptly
         if not responses:
             raise StoreError(f"etcd refresh-lease: no answer for lease {lease_id:x}")
         return int(responses[0].TTL) > 0
@@ -500,7 +623,8 @@ class EtcdStore(_StoreBase):
         """Start a pyetcd watch; returns (client, watch id) for cancelling it."""
         start, end = self._range(prefix)
         return self._call("watch", lambda c: (c, c.add_watch_callback(
-            start, deliver, range_end=end, start_revision=start_revision)))
+            start, deliver, range_end=end, start_revision=start_revision)),
+            patient=False)  # a broken watch resumes itself, and must cancel promptly
 
     # -- election --------------------------------------------------------------------------
     def campaign(self, election: str, candidate: str, lease: Lease) -> bool:
@@ -528,6 +652,14 @@ class EtcdStore(_StoreBase):
                 client.close()
             except Exception:  # closing a broken channel: nothing left to release
                 logger.debug("closing an etcd client failed", exc_info=True)
+
+
+class _Unreachable(Exception):
+    """No endpoint answered one attempt of a call (``uncertain``: a write timed out)."""
+
+    def __init__(self, message: str, *, uncertain: bool = False) -> None:
+        super().__init__(message)
+        self.uncertain = uncertain
 
 
 def _grpc_code(exc: BaseException) -> Any:
@@ -993,12 +1125,13 @@ class _EmbeddedWatch:
 
 
 # -- opening a store by URL ----------------------------------------------------------------
-def open_store(url: str, *, timeout: float = 5.0,
+def open_store(url: str, *, timeout: float = 5.0, outage: float = 0.0,
                default_path: str | os.PathLike[str] | None = None) -> Store:
     """The store a URL names.
 
     ``etcd://HOST:PORT[,HOST:PORT...]``: an :class:`EtcdStore` on those endpoints (checked
-    to answer within ``timeout``); ``embedded:///PATH/TO/FILE.db``: an
+    to answer within ``timeout``, riding out outages of up to ``outage`` seconds);
+    ``embedded:///PATH/TO/FILE.db``: an
     :class:`EmbeddedStore` in that file; ``embedded://``: one in ``default_path``.
     """
     scheme, sep, rest = url.partition("://")
@@ -1006,7 +1139,7 @@ def open_store(url: str, *, timeout: float = 5.0,
         endpoints = [e for e in rest.split(",") if e.strip()]
         if not endpoints:
             raise ConfigError(f"store URL {url!r} names no etcd endpoint (etcd://HOST:PORT)")
-        return EtcdStore(endpoints, timeout=timeout)
+        return EtcdStore(endpoints, timeout=timeout, outage=outage)
     if sep and scheme == "embedded":
         if not rest:
             if default_path is None:

@@ -12,6 +12,7 @@ Only the process this helper started is ever signalled. Without an ``etcd`` bina
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import signal
@@ -50,7 +51,9 @@ class EtcdServer:
     short as 1 s (its minimum is 1.5 election timeouts, rounded up to whole seconds).
     """
 
-    def __init__(self, *, heartbeat_ms: int = 10, election_ms: int = 100) -> None:
+    def __init__(self, *, heartbeat_ms: int = 10, election_ms: int = 100,
+                 cluster: EtcdCluster | None = None) -> None:
+        self.cluster = cluster
         self.binary = require_etcd()
         self.tmp = Path(tempfile.mkdtemp(prefix="gemini-etcd-"))
         self.data_dir = self.tmp / "data"
@@ -84,19 +87,46 @@ class EtcdServer:
         return [self.binary, "--name", self.name, "--data-dir", str(self.data_dir),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"{self.name}={peer}",
+                "--initial-cluster", self.cluster.initial if self.cluster else f"{self.name}={peer}",
                 "--initial-cluster-state", "new",
                 "--heartbeat-interval", str(self.heartbeat_ms),
                 "--election-timeout", str(self.election_ms)]
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def launch(self) -> None:
+        """Start the etcd process (again) without waiting for it."""
+        if self.running:
+            return
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def send(self, sig: signal.Signals) -> None:
+        """Send ``sig`` (SIGSTOP, SIGCONT) to the running etcd."""
+        assert self.proc is not None and self.proc.poll() is None, "etcd is not running"
+        self.proc.send_signal(sig)
+
+    def is_leader(self) -> bool:
+        """Whether this member leads its cluster (etcd's v3 status API)."""
+        request = urllib.request.Request(f"http://{self.endpoint}/v3/maintenance/status",
+                                         data=b"{}", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=1) as reply:
+                status = json.loads(reply.read())
+        except (OSError, urllib.error.URLError, ValueError):
+            return False
+        return str(status.get("leader")) == str(status.get("header", {}).get("member_id"))
 
     def start(self, *, timeout: float = 20.0) -> None:
         """Start etcd (again) and return once it reports healthy; raises RuntimeError with
         the end of its log if it does not within ``timeout`` seconds."""
         if self.running:
             return
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        self.launch()
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -142,6 +172,62 @@ class EtcdServer:
             return "(no log)"
 
     def __enter__(self) -> EtcdServer:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+class EtcdCluster:
+    """``size`` etcd members forming one cluster on loopback ports.
+
+    ``url`` names every member (``etcd://a,b,c``); each member can be stopped, frozen and
+    started again on its data like a single :class:`EtcdServer`.
+    """
+
+    def __init__(self, size: int = 3) -> None:
+        self.members = [EtcdServer(heartbeat_ms=20, election_ms=200, cluster=self)
+                        for _ in range(size)]
+        self.initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    @property
+    def endpoint(self) -> str:
+        return ",".join(m.endpoint for m in self.members)
+
+    @property
+    def url(self) -> str:
+        return f"etcd://{self.endpoint}"
+
+    def leader(self, timeout: float = 10.0) -> EtcdServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for member in self.members:
+                if member.running and member.is_leader():
+                    return member
+            time.sleep(0.05)
+        raise RuntimeError("the etcd cluster has no leader")
+
+    def start(self, *, timeout: float = 30.0) -> None:
+        for member in self.members:  # together: a member waits for a quorum
+            member.launch()
+        deadline = time.monotonic() + timeout
+        while not all(m.healthy() for m in self.members):
+            if time.monotonic() > deadline:
+                tails = "\n".join(m.log_tail(10) for m in self.members)
+                raise RuntimeError(f"etcd cluster not healthy after {timeout}s:\n{tails}")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        for member in self.members:
+            member.close()
+
+    def __enter__(self) -> EtcdCluster:
         try:
             self.start()
         except BaseException:

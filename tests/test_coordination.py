@@ -113,7 +113,8 @@ def test_root_fails_over_within_the_ttl(tmp_path: Path) -> None:
                     assert time.monotonic() - killed < 2 + 3 + 5, status  # TTL + slack
                     time.sleep(0.2)
                 hosts = {h["host"]: h["status"] for h in status["hosts"]}
-                assert hosts == {"h0": "alive", "h1": "lost"}
+                # h0 may not have reached a round with h1 before the kill: then it waits
+                assert hosts["h1"] == "lost" and hosts["h0"] in ("alive", "waiting"), hosts
                 deadline = time.monotonic() + 10
                 while not any(e["event"] == "host_lost" and e["lost"] == "h1"
                               for e in status["events"]):

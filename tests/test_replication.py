@@ -12,12 +12,8 @@ that never failed.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import shlex
-import shutil
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,44 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 from etcd_server import EtcdServer
-from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, kill_tree, run
+from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, run
+from hosts import Host, assert_bitwise, wait_for
 
 # per-gradient all_reduce: bitwise reproducible across restarts with more than 2 ranks
 TRAIN = (str(SCRIPTS / "train_ckpt.py"), "--grad-sync", "params")
 STEPS = 60
-ROOT = os.geteuid() == 0
 RUN_BUDGET = 400  # seconds for one _run_and_replace, within the module's pytest timeout
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(480)]
-
-
-class Host:
-    """One simulated host: a ``gemini run`` with private shared memory and an output file."""
-
-    def __init__(self, tmp: Path, name: str, argv: list[str]) -> None:
-        self.name = name
-        self.log = tmp / f"{name}.log"
-        self.shm = tmp / f"{name}-shm"
-        self.shm.mkdir(exist_ok=True)
-        env = env_with(tmp, GEMINI_HOST_ID=name, GEMINI_SHM_DIR=str(self.shm))
-        cmd = " ".join(shlex.quote(a) for a in argv)
-        if ROOT:  # a private tmpfs: the host's memory dies with its mount namespace
-            cmd = f"mount -t tmpfs -o size=512m tmpfs {shlex.quote(str(self.shm))} && exec {cmd}"
-            argv = ["unshare", "--mount", "sh", "-c", cmd]
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True,
-                                         env=env, start_new_session=True)
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """The whole host at once: supervisor, workers (in sessions of their own) and
-        (without root) its memory."""
-        kill_tree(self.proc.pid)
-        kill_group(self.proc)
-        self.proc.wait(timeout=30)
-        if not ROOT:
-            shutil.rmtree(self.shm, ignore_errors=True)
 
 
 def _slots(tmp: Path) -> dict[str, int]:
@@ -74,18 +40,6 @@ def _slots(tmp: Path) -> dict[str, int]:
     return found
 
 
-def _wait(predicate, timeout: float, what: str, hosts: list[Host],  # type: ignore[no-untyped-def]
-          by: float = float("inf")) -> None:
-    """Wait until ``predicate()``, at most ``timeout`` seconds and not past the monotonic
-    time ``by``; on timeout fail with the tail of every host's output."""
-    deadline = min(time.monotonic() + timeout, by)
-    while not predicate():
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {h.name}\n{h.output()[-2500:]}" for h in hosts)
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.2)
-
-
 def _reference(tmp: Path, world: int, *train: str) -> dict:
     """The same training on one supervisor with the same world size, with no failure."""
     out = tmp / "reference.pt"
@@ -94,26 +48,6 @@ def _reference(tmp: Path, world: int, *train: str) -> dict:
                env=env_with(tmp / "ref", GEMINI_HOST_ID="ref"), timeout=240)
     assert done.returncode == 0, done.output[-3000:]
     return torch.load(out)
-
-
-def _assert_bitwise(got: dict, want: dict) -> None:
-    for key in ("model", "opt"):
-        flat_got, flat_want = _tensors(got[key]), _tensors(want[key])
-        assert flat_got.keys() == flat_want.keys()
-        for name, tensor in flat_want.items():
-            assert torch.equal(flat_got[name], tensor), f"{key} {name} differs"
-    assert got["samples"] == want["samples"]
-    assert torch.equal(got["rng"], want["rng"])
-
-
-def _tensors(tree: object, path: str = "") -> dict[str, torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return {path: tree}
-    if isinstance(tree, dict):
-        return {k: v for key, value in tree.items() for k, v in _tensors(value, f"{path}/{key}").items()}
-    if isinstance(tree, (list, tuple)):
-        return {k: v for i, value in enumerate(tree) for k, v in _tensors(value, f"{path}/{i}").items()}
-    return {}
 
 
 def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
@@ -140,15 +74,15 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
 
         try:
             hosts = [Host(tmp, f"h{i}", argv()) for i in range(nodes)]
-            _wait(lambda: len(_slots(tmp)) == nodes, 120, "every host in the rendezvous", hosts,
+            wait_for(lambda: len(_slots(tmp)) == nodes, 120, "every host in the rendezvous", hosts,
                   by)
             by_slot = {slot: name for name, slot in _slots(tmp).items()}
             rank0 = next(h for h in hosts if h.name == by_slot[0])
             for i in range(spares):
                 hosts.append(Host(tmp, f"new{i}", argv()))
-                _wait(lambda i=i: any(e["event"] == "launch" and e["host"] == f"new{i}"
+                wait_for(lambda i=i: any(e["event"] == "launch" and e["host"] == f"new{i}"
                                       for e in events(tmp / "runs")), 60, "the standby", hosts, by)
-            _wait(lambda: re.search(rf"^step {kill_at} ", rank0.output(), re.M) is not None,
+            wait_for(lambda: re.search(rf"^step {kill_at} ", rank0.output(), re.M) is not None,
                   180, f"step {kill_at}", hosts, by)
             assert not {f"new{i}" for i in range(spares)} & set(_slots(tmp))  # waiting
             if probe is not None:
@@ -161,7 +95,7 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
                 hosts.append(Host(tmp, f"new{i}", argv()))
             for host in hosts:
                 if host.name not in {by_slot[s] for s in victims}:
-                    _wait(lambda h=host: h.proc.poll() is not None, 300, f"{host.name} to finish",
+                    wait_for(lambda h=host: h.proc.poll() is not None, 300, f"{host.name} to finish",
                           hosts, by)
                     assert host.proc.returncode == 0, host.output()[-4000:]
         finally:
@@ -184,7 +118,7 @@ def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int, every: i
     for plan in plans:  # the replacement pulls from a peer, the survivors use their own memory
         want = {"peer"} if plan["host"] == "new0" else {"memory"} if every == 1 else {"memory", "peer"}
         assert set(plan["sources"].values()) <= want and plan["sources"], plan  # type: ignore[union-attr]
-    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
 def test_standby_host_takes_the_lost_slot(tmp_path: Path) -> None:
@@ -199,7 +133,7 @@ def test_standby_host_takes_the_lost_slot(tmp_path: Path) -> None:
     for plan in plans:
         want = "peer" if plan["host"] == "new0" else "memory"
         assert set(plan["sources"].values()) == {want}, plan  # type: ignore[union-attr]
-    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
 # ~3 MB of model and Adam state per rank, replicated at 4 MB/s: one replication takes
@@ -232,7 +166,7 @@ def test_a_lost_host_costs_at_most_the_replication_lag(tmp_path: Path, spares: i
     step = plans[0]["step"]
     # 2k + margin, plus a step for each read of the plan and the kill's own delay
     assert step is not None and step >= kill_at - (2 * every + margin + 3), (kill_at, plans)
-    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
 def test_a_replica_torn_by_the_loss_is_never_chosen(tmp_path: Path) -> None:
@@ -260,7 +194,7 @@ def test_a_replica_torn_by_the_loss_is_never_chosen(tmp_path: Path) -> None:
                     at_kill.append(plan)
                     return True
                 return False
-            _wait(pushing, 120, "a push on the wire", [])
+            wait_for(pushing, 120, "a push on the wire", [])
         finally:
             store.close()
 
@@ -271,7 +205,7 @@ def test_a_replica_torn_by_the_loss_is_never_chosen(tmp_path: Path) -> None:
     assert {p["step"] for p in plans} == {sstar}, (at_kill, plans)
     survivor = next(p for p in plans if p["host"] == "h1")
     assert survivor["replicas"]["0"] == [sstar], survivor  # the other slot: torn, unverified
-    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
 @pytest.mark.parametrize("spares", [2])
@@ -316,4 +250,4 @@ def test_lost_group_resumes_from_the_persistent_tier(tmp_path: Path) -> None:
         want = {"persist"} if str(plan["host"]).startswith("new") else {"persist", "memory"}
         assert set(plan["sources"].values()) <= want, plan  # type: ignore[union-attr]
     assert {p["host"] for p in plans if "persist" in p["sources"].values()} >= {"new0", "new1"}
-    _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)

@@ -26,8 +26,8 @@ import pytest
 from etcd_server import EtcdServer
 from helpers import REPO, free_port, kill_group, run, start
 
-from launcher.errors import ConfigError, StoreError
-from launcher.store import EmbeddedStore, EtcdStore, Store, open_store
+from launcher.errors import ConfigError, StoreError, StoreUnavailableError
+from launcher.store import EmbeddedStore, EtcdStore, Store, open_store, watch_outages
 
 TTL = 1.0
 """Lease ttl of the suite: etcd grants 1 s because EtcdServer tunes its election timeout."""
@@ -503,6 +503,69 @@ def test_etcd_crash_kill_and_restart(ns: str) -> None:
             assert wait_until(lambda: _get_or_none(store, ns + "k") == b"v", 15, interval=0.1)
         finally:
             store.close()
+
+
+@pytest.mark.etcd
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_etcd_outage_shorter_than_the_window_is_ridden_out(ns: str, sig: signal.Signals) -> None:
+    """etcd killed (restarted on its data) or frozen (then continued) for 2 s: calls made
+    meanwhile wait and then answer; the outage is reported once when it begins and once,
+    with its length, when it ends."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+    unwatch = watch_outages(lambda event, fields: seen.append((event, fields)))
+    with EtcdServer() as server:
+        store = open_store(server.url, timeout=0.5, outage=30)
+        try:
+            store.put(ns + "k", b"v")
+            if sig == signal.SIGKILL:
+                server.stop(sig=sig)
+            else:
+                server.send(sig)
+            began = time.monotonic()
+            with ThreadPoolExecutor(4) as pool:
+                calls = [pool.submit(store.get, ns + "k") for _ in range(4)]
+                time.sleep(2)
+                assert not any(call.done() for call in calls)
+                if sig == signal.SIGKILL:
+                    server.start()
+                else:
+                    server.send(signal.SIGCONT)
+                assert [call.result(timeout=30) for call in calls] == [b"v"] * 4
+            assert time.monotonic() - began < 15
+            assert store.unreachable_within(5) and not store.unreachable_within(0)
+        finally:
+            store.close()
+            unwatch()
+    assert [event for event, _ in seen] == ["store_unreachable", "store_back"], seen
+    assert seen[0][1]["store"] == server.url and seen[0][1]["window"] == 30
+    assert 1.5 < seen[1][1]["seconds"] < 15, seen
+
+
+@pytest.mark.etcd
+def test_etcd_outage_longer_than_the_window_raises_store_unavailable(ns: str) -> None:
+    """Past the window a call raises StoreUnavailableError, one line naming the window;
+    a refused connection is not retried at all with a window of 0."""
+    with EtcdServer() as server:
+        store = open_store(server.url, timeout=0.5, outage=2)
+        patient_not = open_store(server.url, timeout=0.5)
+        try:
+            server.stop(sig=signal.SIGKILL)
+            began = time.monotonic()
+            with pytest.raises(StoreError) as at_once:
+                patient_not.get(ns + "k")
+            assert time.monotonic() - began < 1.5
+            assert not isinstance(at_once.value, StoreUnavailableError)
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailableError) as past:
+                store.get(ns + "k")
+            assert 2 <= time.monotonic() - began < 5
+            assert "--store-timeout 2" in str(past.value) and "\n" not in str(past.value)
+            with pytest.raises(StoreUnavailableError):  # later calls: no new wait
+                store.put(ns + "k", b"v")
+            assert time.monotonic() - began < 6
+        finally:
+            store.close()
+            patient_not.close()
 
 
 def _get_or_none(store: Store, key: str) -> bytes | None:

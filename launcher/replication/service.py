@@ -328,6 +328,8 @@ class ReplicationService:
     def _store_call(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` on the coordination store; None (once logged) while it is away:
         replication then waits, training does not."""
+        if self._stop.is_set():  # stopping: each call may wait out an outage's deadline
+            return None
         try:
             result = fn(*args)
         except StoreError as exc:

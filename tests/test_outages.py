@@ -1,0 +1,165 @@
+"""The cluster's own faults while a two-host job trains: etcd killed and restarted, etcd
+hung (SIGSTOP), members of a three-member etcd cluster lost.
+
+The workers need no store to train, so an outage shorter than ``--store-timeout`` must
+leave the job untouched: no restart, and final weights bitwise equal to a run that saw
+no outage. Past the window the supervisors exit 3 and keep their memory, from which the
+next ``gemini run`` resumes.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from etcd_server import EtcdCluster, EtcdServer
+from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, run
+from hosts import Host, assert_bitwise, wait_for
+
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(480)]
+
+TRAIN = (str(SCRIPTS / "train_ckpt.py"), "--grad-sync", "params")
+STEPS = 120
+
+
+def _argv(tmp: Path, endpoint: str, *extra: str) -> list[str]:
+    return [*GEMINI, "run", "--nnodes", "2:2", "--nproc-per-node", "1",
+            "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", "outage",
+            "--rdzv-conf", "last_call_timeout=1", "--store", f"etcd://{endpoint}",
+            "--host-ttl", "3", "--max-restarts", "3", "--replication-addr", "127.0.0.1",
+            "--no-standby", *extra, *TRAIN, "--steps", str(STEPS), "--sleep", "0.15",
+            "--out", str(tmp / "out.pt")]
+
+
+def _reference(tmp: Path) -> dict:
+    out = tmp / "reference.pt"
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--no-standby", *TRAIN,
+                "--steps", str(STEPS), "--out", str(out)],
+               env=env_with(tmp / "ref", GEMINI_HOST_ID="ref"), timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    return torch.load(out)
+
+
+def _step(host: Host) -> int:
+    """The newest step the host's rank 0 printed (-1 before the first)."""
+    steps = re.findall(r"^step (\d+) ", host.output(), re.M)
+    return int(steps[-1]) if steps else -1
+
+
+def _train_through(tmp: Path, endpoint: str, fault: Callable[[list[Host]], None],
+                   *extra: str, private_mount: bool = True) -> list[Host]:
+    """Two hosts train; ``fault(hosts)`` runs once rank 0 reached step 5; returns the
+    hosts once both exited."""
+    hosts: list[Host] = []
+    by = time.monotonic() + 400
+    try:
+        hosts += [Host(tmp, f"h{i}", _argv(tmp, endpoint, *extra), private_mount=private_mount)
+                 for i in range(2)]
+        wait_for(lambda: max(_step(h) for h in hosts) >= 5, 180, "step 5", hosts, by)
+        fault(hosts)
+        for host in hosts:
+            wait_for(lambda h=host: h.proc.poll() is not None, 300, f"{host.name} to exit",
+                     hosts, by)
+    finally:
+        for host in hosts:
+            kill_group(host.proc)
+    return hosts
+
+
+def _assert_untouched(tmp: Path, hosts: list[Host], reference: dict) -> list[dict]:
+    """Both hosts finished, nothing restarted, the weights equal the reference; returns
+    the store_back events."""
+    for host in hosts:
+        assert host.proc.returncode == 0, host.output()[-4000:]
+    found = events(tmp / "runs")
+    assert not [e for e in found if e["event"] in ("restart", "worker_exit")], found
+    assert_bitwise(torch.load(tmp / "out.pt"), reference)
+    return [e for e in found if e["event"] == "store_back"]
+
+
+def test_etcd_killed_and_restarted_never_stops_training(tmp_path: Path) -> None:
+    """etcd SIGKILLed and restarted on its data after 0.5, 2 and 8 s, at random moments."""
+    reference = _reference(tmp_path)
+    rng = random.Random()
+    with EtcdServer() as etcd:
+        def restarts(_: list[Host]) -> None:
+            for down in (0.5, 2.0, 8.0):
+                time.sleep(rng.uniform(0.2, 1.5))
+                etcd.stop(sig=signal.SIGKILL)
+                time.sleep(down)
+                etcd.start()
+
+        hosts = _train_through(tmp_path, etcd.endpoint, restarts)
+    backs = _assert_untouched(tmp_path, hosts, reference)
+    assert {e["host"] for e in backs} == {"h0", "h1"}, backs
+    assert max(float(e["seconds"]) for e in backs) >= 7, backs  # type: ignore[arg-type]
+    unreachable = [e for e in events(tmp_path / "runs") if e["event"] == "store_unreachable"]
+    assert len(unreachable) == len(backs), (unreachable, backs)
+
+
+def test_etcd_cluster_members_lost_never_stop_training(tmp_path: Path) -> None:
+    """Three etcd members: the leader killed (the others elect a new one), later two of
+    the three killed at once (no quorum) for 3 s and brought back."""
+    reference = _reference(tmp_path)
+    with EtcdCluster(3) as cluster:
+        def member_losses(_: list[Host]) -> None:
+            leader = cluster.leader()
+            leader.stop(sig=signal.SIGKILL)
+            time.sleep(2)
+            leader.start()
+            time.sleep(1)
+            two = cluster.members[:2]
+            for member in two:
+                member.stop(sig=signal.SIGKILL)
+            time.sleep(3)
+            for member in two:
+                member.launch()
+            cluster.leader(timeout=30)
+
+        hosts = _train_through(tmp_path, cluster.endpoint, member_losses)
+    _assert_untouched(tmp_path, hosts, reference)
+
+
+def test_hung_etcd_within_the_window_then_past_it(tmp_path: Path) -> None:
+    """etcd frozen for 3 s: ridden out. Frozen for longer than --store-timeout: both
+    supervisors exit 3 within the window and a few seconds, keeping their memory; once
+    etcd is back, the same command resumes from that memory and ends as an unfailed run."""
+    reference = _reference(tmp_path)
+    window = 6.0
+    with EtcdServer() as etcd:
+        frozen: list[float] = []
+
+        def hangs(hosts: list[Host]) -> None:
+            etcd.send(signal.SIGSTOP)
+            time.sleep(3)
+            etcd.send(signal.SIGCONT)
+            wait_for(lambda: max(_step(h) for h in hosts) >= 20, 120, "step 20", hosts)
+            etcd.send(signal.SIGSTOP)
+            frozen.append(time.monotonic())
+
+        extra = ("--store-timeout", str(window))
+        first = _train_through(tmp_path, etcd.endpoint, hangs, *extra, private_mount=False)
+        exited = time.monotonic()
+        etcd.send(signal.SIGCONT)
+        for host in first:
+            assert host.proc.returncode == 3, host.output()[-3000:]
+            assert "unreachable for" in host.output() and "--store-timeout 6" in host.output()
+            assert any(host.shm.iterdir()), "the slots were not kept"
+        assert exited - frozen[0] < window + 20
+        stopped_at = max(_step(h) for h in first)
+        assert stopped_at < STEPS - 1
+        again = _train_through(tmp_path, etcd.endpoint, lambda _: None, *extra,
+                               private_mount=False)
+    for host in again:
+        assert host.proc.returncode == 0, host.output()[-4000:]
+    plans = [e for e in events(tmp_path / "runs") if e["event"] == "restore_plan"
+             and e["step"] is not None]
+    assert plans and all(p["step"] >= 15 for p in plans), plans
+    assert all(set(p["sources"].values()) == {"memory"} for p in plans), plans  # type: ignore[union-attr]
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
