@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -92,7 +92,9 @@ def _torch_agent_base() -> type:
 
 def make_agent(*args: Any, events: EventLog, host_id: str,
                services: Sequence[SupervisorService], **kwargs: Any) -> Any:
-    """Build a :class:`GeminiAgent` (defined lazily: importing it imports torch)."""
+    """Build a :class:`GeminiAgent` (defined lazily: importing it imports torch).
+    Optional: ``lost_hosts()``, the hosts confirmed lost (their lease expired), and
+    ``forget()``, which empties this host's memory once it was fenced out."""
     return _agent_class()(*args, events=events, host_id=host_id, services=services, **kwargs)
 
 
@@ -101,8 +103,8 @@ _ROUND_ATTEMPTS = 5  # rendezvous rounds whose set-up may time out before the ru
 
 
 class _NotNeeded(Exception):  # noqa: N818 (a control-flow signal, not an error)
-    """This host never joined a round, and the rendezvous closed: the job finished
-    without needing it (a spare)."""
+    """This host never joined a round (a spare), or was fenced out of the job, and the
+    rendezvous closed: the job finished without needing it."""
 
 
 class _RoundClosed(Exception):  # noqa: N818 (a control-flow signal, not an error)
@@ -142,6 +144,19 @@ def _define_agent(base: type) -> type:
         settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
         return int(getattr(settings, "max_nodes", 1 << 30))
 
+    def _rendezvous_round(handler: Any) -> int | None:
+        """The round number in torch's dynamic rendezvous state as last synced (None for
+        other backends)."""
+        holder = getattr(handler, "_state_holder", None)
+        return None if holder is None else int(holder.state.round)
+
+    def _formed_without(handler: Any, joined: int) -> bool:
+        """Whether a round after ``joined`` is running without this host."""
+        if not _round_running(handler):
+            return False
+        state = handler._state_holder.state
+        return bool(state.round > joined and handler._this_node not in state.participants)
+
     def _round_running(handler: Any) -> bool:
         """Whether torch's dynamic rendezvous has a complete round with hosts in it."""
         holder = getattr(handler, "_state_holder", None)
@@ -157,8 +172,16 @@ def _define_agent(base: type) -> type:
         _remaining_restarts: int  # torch's
 
         def __init__(self, *args: Any, events: EventLog, host_id: str,
-                     services: Sequence[SupervisorService], **kwargs: Any) -> None:
+                     services: Sequence[SupervisorService],
+                     lost_hosts: Callable[[], frozenset[str]] = frozenset,
+                     forget: Callable[[], None] = lambda: None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            self._lost_hosts = lost_hosts
+            self._forget = forget
+            self._members: frozenset[str] = frozenset()  # the hosts of this host's round
+            self._joined_round: int | None = None  # torch's round number of that round
+            self._fenced = False  # the job went on without this host: it is a spare now
+            self._acted_on: frozenset[str] = frozenset()
             self._events = events
             self._host_id = host_id
             self._slot: int | None = None  # this host's node slot in the last round
@@ -182,8 +205,29 @@ def _define_agent(base: type) -> type:
             round to let it in; a full group cannot, and the waiting host would push an
             original one out of the next round, which then waits and restarts the group
             again. A spare waits until a host is lost (the survivors' restart admits it)
-            or the group can grow."""
+            or the group can grow.
+
+            Also 1 (restart: a new round) when a member of this host's round was
+            confirmed lost (its lease expired: a host that froze, or vanished without a
+            connection reset, leaves the survivors' workers waiting on it forever), and
+            when the job went on without this host (its round is over: it froze for
+            longer than the rendezvous allows); it then stops its stale workers, forgets
+            its memory, and waits as a spare."""
             waiting = int(self._waiting())
+            handler = self._worker_group.spec.rdzv_handler
+            current = _rendezvous_round(handler)
+            if (self._joined_round is not None and current is not None
+                    and current != self._joined_round):
+                self._fence("a new rendezvous round formed without it")
+                return 1
+            lost = (self._lost_hosts() & self._members) - {self._host_id}
+            if lost and lost != self._acted_on:
+                self._acted_on = frozenset(lost)
+                print(f"gemini: host(s) {', '.join(sorted(lost))} of this round lost (lease "
+                      "expired): restarting the round without them", file=sys.stderr,
+                      flush=True)
+                self._events.write("member_lost", round=self._round, lost=sorted(lost))
+                return 1
             world = self._worker_group.group_world_size or 0
             if waiting and world >= _max_nodes(self._worker_group):
                 if not self._spare_noted:
@@ -204,19 +248,38 @@ def _define_agent(base: type) -> type:
             )
 
             handler = worker_group.spec.rdzv_handler
+            if self._joined_round is not None and not self._fenced:
+                if _formed_without(handler, self._joined_round):
+                    self._fence("a new rendezvous round formed without it")
             while True:
+                spare = self._round == 0 or self._fenced
                 try:
                     return handler.next_rendezvous()
                 except RendezvousClosedError:
-                    if self._round > 0:
+                    if not spare:
                         raise
                     raise _NotNeeded() from None
                 except RendezvousTimeoutError:
-                    if self._round > 0 or not _round_running(handler):
+                    if not spare or not _round_running(handler):
                         raise
                     print("gemini: this host is a spare: the running group is full; waiting "
                           "for a place again", file=sys.stderr, flush=True)
                     self._events.write("spare_rejoin")
+
+        @property
+        def fenced(self) -> bool:
+            """Whether the job went on without this host, which now waits as a spare."""
+            return self._fenced
+
+        def _fence(self, why: str) -> None:
+            """The job went on without this host: it must not act on its old round."""
+            if self._fenced:
+                return
+            self._fenced = True
+            print(f"gemini: this host was left out of the job ({why}; it stopped for longer "
+                  "than the others wait): stopping its workers; it waits as a spare, and "
+                  "forgets its memory if it is let in again", file=sys.stderr, flush=True)
+            self._events.write("fenced", round=self._round, why=why)
 
         # -- rendezvous: a fresh store for the workers of every round ------------------
         def _initialize_workers(self, worker_group: WorkerGroup) -> None:
@@ -251,6 +314,10 @@ def _define_agent(base: type) -> type:
                 rdzv_info = self._next_rendezvous(worker_group)
             store, world_size = rdzv_info.store, rdzv_info.world_size
             self._round += 1
+            if self._fenced:  # admitted again: a member like any other, with empty memory
+                self._forget()
+                self._fenced = False
+            self._joined_round = _rendezvous_round(spec.rdzv_handler)
             # Dynamic backends hand out a store scoped to the round; the static backend's
             # store lives for the whole run, where only restarts start a new round (and
             # node ranks are fixed by --node-rank).
@@ -297,6 +364,8 @@ def _define_agent(base: type) -> type:
                 host, previous = json.loads(store.get(f"slot/{other}"))
                 members[other] = (str(host), previous)
             self._slot = assign_slots(members, world_size)[member]
+            self._members = frozenset(host for host, _ in members.values())
+            self._acted_on = frozenset()
             return self._slot
 
         def _publish_worker_store(self, worker_group: WorkerGroup, store: Store,
@@ -462,6 +531,8 @@ def _define_agent(base: type) -> type:
             try:
                 super()._restart_workers(worker_group)
             except RendezvousClosedError:
+                if self._fenced:
+                    raise _NotNeeded() from None
                 if not failed:
                     raise
                 print("gemini: not restarting: the other hosts finished their workers and "
@@ -654,6 +725,8 @@ def _launch(config: RunConfig, command: Command,
             events=events,
             host_id=owner.host_id,
             services=services,
+            lost_hosts=coordination.lost_hosts,
+            forget=lambda: owner.discard_newer_than(-1),
         )
         events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,
                      nproc_per_node=launch_config.nproc_per_node,
@@ -665,10 +738,11 @@ def _launch(config: RunConfig, command: Command,
         except _RoundClosed as ended:
             result = ended.failure
         except _NotNeeded:
+            result = None
+        if result is None:  # torch's graceful exit, or ours: the job ended without this host
             print("gemini: the rendezvous is closed: the job finished without needing this "
                   "host", file=sys.stderr, flush=True)
-            events.write("not_needed")
-            result = None
+            events.write("not_needed", fenced=agent.fenced)
         torch_events.record(agent.get_event_succeeded(), launch_config.event_log_handler)
         if result is not None and result.is_failed():
             failed = ChildFailedError(

@@ -72,6 +72,7 @@ class CoordinationService:
             "ranks": [], "round": 0, "restart_count": 0, "heartbeat": time.time(),
         }
         self._published: dict[str, Any] = {}
+        self._lost: set[str] = set()
         self.persist_status: Callable[[], Mapping[int, int]] | None = None
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -149,14 +150,16 @@ class CoordinationService:
 
     def _on_alive(self, key: str, value: bytes | None) -> None:
         host = key.rsplit("/", 1)[-1]
-        if value is not None or host == self.host_id:
+        if host == self.host_id:
+            return
+        if value is not None:
+            with self._lock:
+                self._lost.discard(host)
             return
         try:
             self._campaign()  # the lost host may have been the root
         except StoreError as exc:
             logger.warning("could not campaign for root: %s", exc)
-        if not self.is_root:
-            return
         if self.store.unreachable_within(self.ttl):
             # No lease could be refreshed while the store was away: a host counts as lost
             # only if it has not registered again a ttl later.
@@ -164,16 +167,34 @@ class CoordinationService:
             timer.daemon = True
             timer.start()
             return
-        self.record_event("host_lost", {"lost": host})
+        self._confirm_lost(host)
 
     def _confirm_lost(self, host: str) -> None:
-        if self._stop.is_set() or not self.is_root:
+        """``host``'s lease is gone: lost, unless it exited or registered again."""
+        if self._stop.is_set():
             return
         try:
-            if self.store.get(self.prefix + f"alive/{host}") is None:
-                self.record_event("host_lost", {"lost": host})
+            if self.store.get(self.prefix + f"alive/{host}") is not None:
+                return
+            record = self.store.get(self.prefix + f"hosts/{host}")
         except StoreError as exc:
-            logger.warning("could not check whether host %s is back: %s", host, exc)
+            logger.warning("could not check whether host %s is lost: %s", host, exc)
+            return
+        try:
+            exited = record is not None and json.loads(record).get("state") == "exited"
+        except (ValueError, AttributeError):
+            exited = False
+        if exited:
+            return
+        with self._lock:
+            self._lost.add(host)
+        if self.is_root:
+            self.record_event("host_lost", {"lost": host})
+
+    def lost_hosts(self) -> frozenset[str]:
+        """Hosts whose lease expired without an exit, and that have not registered again."""
+        with self._lock:
+            return frozenset(self._lost)
 
     def _heartbeat(self) -> None:
         interval = max(0.2, self.ttl / 3)

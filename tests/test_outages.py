@@ -22,6 +22,9 @@ from etcd_server import EtcdCluster, EtcdServer
 from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, run
 from hosts import Host, assert_bitwise, wait_for
 
+from launcher.coordination import read_status
+from launcher.store import open_store
+
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(480)]
 
 TRAIN = (str(SCRIPTS / "train_ckpt.py"), "--grad-sync", "params")
@@ -162,4 +165,68 @@ def test_hung_etcd_within_the_window_then_past_it(tmp_path: Path) -> None:
              and e["step"] is not None]
     assert plans and all(p["step"] >= 15 for p in plans), plans
     assert all(set(p["sources"].values()) == {"memory"} for p in plans), plans  # type: ignore[union-attr]
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def _signal_host(host: Host, sig: signal.Signals) -> None:
+    """``sig`` to every process of the host: its supervisor and its workers."""
+    import psutil
+
+    root = psutil.Process(host.proc.pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_a_frozen_host_is_fenced_out_and_the_job_goes_on(tmp_path: Path) -> None:
+    """Two hosts and a spare; every process of the host in node slot 1 is frozen
+    (SIGSTOP) for longer than --host-ttl: once its lease expires the survivor restarts
+    the round with the spare, which pulls the frozen host's ranks from the survivor's
+    memory. Woken (SIGCONT) after the job moved on, the frozen host stops its stale
+    workers, waits as a spare and exits 0 when the job ends; the job's result equals an
+    unfailed run's."""
+    reference = _reference(tmp_path)
+    hosts: list[Host] = []
+    by = time.monotonic() + 400
+    with EtcdServer() as etcd:
+        try:
+            hosts += [Host(tmp_path, f"h{i}", _argv(tmp_path, etcd.endpoint)) for i in range(2)]
+            wait_for(lambda: max(_step(h) for h in hosts) >= 5, 180, "step 5", hosts, by)
+            hosts.append(Host(tmp_path, "spare", _argv(tmp_path, etcd.endpoint)))
+            store = open_store(etcd.url)
+            try:
+                wait_for(lambda: read_status(store, "outage").spares == ["spare"], 60,
+                         "the spare to register", hosts, by)
+            finally:
+                store.close()
+            time.sleep(3)  # and to join the rendezvous
+            slots = {str(e["host"]): e["group_rank"] for e in events(tmp_path / "runs")
+                     if e["event"] == "rendezvous"}
+            frozen = next(h for h in hosts if slots.get(h.name) == 1)
+            _signal_host(frozen, signal.SIGSTOP)
+            wait_for(lambda: any(e["event"] == "rendezvous" and e["host"] == "spare"
+                                 for e in events(tmp_path / "runs")), 60,
+                     "the spare to take the frozen host's place", hosts, by)
+            time.sleep(2)
+            _signal_host(frozen, signal.SIGCONT)
+            for host in hosts:
+                wait_for(lambda h=host: h.proc.poll() is not None, 300, f"{host.name} to exit",
+                         hosts, by)
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    for host in hosts:
+        assert host.proc.returncode == 0, host.output()[-4000:]
+    found = events(tmp_path / "runs")
+    survivor = next(h.name for h in hosts[:2] if h is not frozen)
+    lost = [e for e in found if e["event"] == "member_lost"]
+    assert lost and all(e["host"] == survivor and e["lost"] == [frozen.name] for e in lost), lost
+    assert [e["host"] for e in found if e["event"] == "fenced"] == [frozen.name]
+    assert any(e["event"] == "not_needed" and e["host"] == frozen.name and e["fenced"]
+               for e in found)
+    plans = [e for e in found if e["event"] == "restore_plan" and e["step"] is not None]
+    assert {p["host"] for p in plans} == {survivor, "spare"}, plans
+    assert len({p["step"] for p in plans}) == 1, plans
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)

@@ -203,6 +203,20 @@ def test_a_push_never_overwrites_the_replica_of_the_pinned_step(net: Net) -> Non
     assert net.replica_steps() == [7, 9]
 
 
+def test_a_push_from_another_round_is_refused(net: Net) -> None:
+    """A sender whose round moved on without it (frozen, then woken) changes nothing on
+    a holder that is in the new round: neither its replicas nor its pin."""
+    server = net.server()
+    server.round = "new"
+    client = net.client(server)
+    assert client.push(fill(net.a, 0, 4, random_data(40_000, 4)), round_id="new") == 4
+    with pytest.raises(ReplicationError, match="round old"):
+        client.push(fill(net.a, 0, 5, random_data(40_000, 5)), keep=5, round_id="old")
+    assert net.replica_steps() == [4] and net.b.pinned(0) != 5
+    assert client.push(fill(net.a, 0, 6, random_data(40_000, 6)), keep=4, round_id="new") == 6
+    assert net.replica_steps() == [4, 6]
+
+
 def test_the_kept_copy_of_an_own_rank_is_restored_into_its_own_slot(net: Net) -> None:
     data = random_data(300_000, 41)
     own = fill(net.a, 0, 12, data)

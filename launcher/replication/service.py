@@ -154,11 +154,12 @@ class ReplicationService:
             self._kept.clear()
             self._node, self._nodes, self._round_id = node, nodes, round_id
             self._plan, self._plan_read, self._answered = None, 0.0, None
+            self.server.round = round_id
         if node == 0 and nodes > 1:
             interval = min(self._interval.values(), default=None)
             plan = progress.first_plan(round_id, newest=restored, interval=interval,
                                        fixed_every=self.every)
-            self._write_plan(plan)
+            self._write_plan(plan, first=True)
         self.events.write("replication_round", node=node, nodes=nodes, placement=layout.kind,
                           holders=[f"{h}:{p}" for h, p in self._holders])
         self._running.set()
@@ -305,8 +306,25 @@ class ReplicationService:
                                   margin=nxt.margin, lag_steps=nxt.lag_steps, lag_seconds=nxt.lag_seconds,
                                   seconds=nxt.seconds)
 
-    def _write_plan(self, plan: progress.Plan) -> None:
-        if self._store_call(self.store.put, self._keys + "plan", plan.dumps()):
+    def _write_plan(self, plan: progress.Plan, *, first: bool = False) -> None:
+        """Publish the round's plan: the first one over whatever is there, the next ones
+        only over the plan this leader wrote last. A leader of an older round (a host
+        frozen past --host-ttl and woken, whose round moved on) so never overwrites the
+        current round's plan: it stops leading instead."""
+        data = plan.dumps()
+        if first:
+            written = self._store_call(self.store.put, self._keys + "plan", data)
+        else:
+            previous = self._plan.dumps() if self._plan is not None else None
+            written = self._store_call(self.store.compare_and_set, self._keys + "plan",
+                                       previous, data)
+            if written is False:
+                logger.warning("replication: another round's leader has published its plan; "
+                               "this host's round %s is over", self._round_id)
+                with self._lock:
+                    self._holders = []
+                return
+        if written:
             if self._plan is None or plan.target != self._plan.target:
                 self._began = None
             self._plan, self._plan_read = plan, time.monotonic()
@@ -422,7 +440,7 @@ class ReplicationService:
             if client is None:
                 client = self._clients[holder] = transport.Client(
                     holder, secret=self._secret, run_id=self.run_id)
-            step = client.push(segment, pace=pacer, keep=keep)
+            step = client.push(segment, pace=pacer, keep=keep, round_id=self._round_id)
         except ReplicationError as exc:
             first = holder not in self._failures
             self._failures[holder] = time.monotonic()

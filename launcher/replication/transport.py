@@ -23,9 +23,11 @@ Wire protocol (all integers little endian)::
                    seq counts the frames of one direction of one connection from 0, so a
                    frame cannot be replayed, reordered or reflected.
 
-    PUT   c: {"op":"put", run_id, rank, step, seq, world_size, data_len, meta_hash, keep}
-             + meta; keep: the run's globally restorable step s*, whose replica the
-             server must not overwrite (-1: none known)
+    PUT   c: {"op":"put", run_id, rank, step, seq, world_size, data_len, meta_hash, keep,
+             round} + meta; keep: the run's globally restorable step s*, whose replica the
+             server must not overwrite (-1: none known); round: the sender's rendezvous
+             round, refused when the server is in another one (a sender frozen past
+             --host-ttl and woken must not overwrite the current round's replicas)
           s: {"ok":true} | {"ok":true,"have":true} (already held; nothing follows)
           c: data_len raw bytes (sendfile from the slot's file)
           c: {"op":"end","stable":bool}     s: {"ok":true,"step":S} | {"ok":true,"aborted":true}
@@ -219,6 +221,8 @@ class PutRequest:
     meta: bytes
     keep: int = -1
     """The step whose replica must survive this put (-1: none)."""
+    round: str = ""
+    """The sender's replication round ("": not said)."""
 
 
 @dataclass(frozen=True)
@@ -253,7 +257,10 @@ def parse_request(message: dict[str, Any], blob: bytes, *, run_id: str) -> PutRe
     op = message.get("op")
     if op == "put":
         keep = _int(message, "keep", -1, (1 << 63) - 1) if "keep" in message else -1
-        return PutRequest(_slot_fields(message, blob, run_id), blob, keep)
+        round_id = message.get("round", "")
+        if not isinstance(round_id, str) or len(round_id) > 64:
+            raise ReplicationError("invalid round (want a string of at most 64 characters)")
+        return PutRequest(_slot_fields(message, blob, run_id), blob, keep, round_id)
     if op == "get":
         if blob:
             raise ReplicationError("unexpected blob in a get request")
@@ -599,6 +606,8 @@ class Server:
         self._secret = secret
         self._on_reject = on_reject
         self._on_replica = on_replica
+        self.round = ""
+        """The replication round this host is in: pushes from another one are refused."""
         self._lock = threading.Lock()
         self._rank_locks: dict[int, threading.Lock] = {}
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -753,6 +762,10 @@ class Server:
 
     def _put(self, channel: _Channel, request: PutRequest, peer: str) -> None:
         header = request.header
+        if request.round and self.round and request.round != self.round:
+            channel.send({"ok": False, "error": f"push from round {request.round}, but this "
+                          f"host is in round {self.round}"})
+            return
         lock = self._rank_lock(header.rank)
         if not lock.acquire(timeout=self.timeout):
             channel.send({"ok": False, "error": f"rank {header.rank} is busy receiving"})
@@ -886,13 +899,14 @@ class Client:
             raise AssertionError("unreachable")
 
     def push(self, segment: memory.Segment, *, pace: Callable[[int], None] | None = None,
-             keep: int = -1) -> int | None:
+             keep: int = -1, round_id: str = "") -> int | None:
         """Send the committed step ``segment`` holds to the peer, which verifies and
         commits it in a replica slot; return that step. Return None without sending when
         the slot holds no committed step, and None after sending when the slot changed
         meanwhile (the peer discards it). ``pace`` is called before each chunk of the
         data with the bytes sent so far, and may wait (see ``replication.service``);
-        ``keep`` is the step whose replica the peer must keep (the run's s*)."""
+        ``keep`` is the step whose replica the peer must keep (the run's s*); a peer in
+        another round than ``round_id`` refuses the push."""
         source = _SourceFile(segment)
         try:
             snapshot = source.snapshot()
@@ -904,14 +918,16 @@ class Client:
             if len(meta) > MAX_META or header.data_len > MAX_DATA:
                 raise ReplicationError(f"slot {segment.name} is too large to send")
             result: int | None = self._call(
-                lambda ch: self._push(ch, source, header, meta, pace, keep))
+                lambda ch: self._push(ch, source, header, meta, pace, keep, round_id))
             return result
         finally:
             source.close()
 
     def _push(self, channel: _Channel, source: _SourceFile, header: memory.SlotHeader,
-              meta: bytes, pace: Callable[[int], None] | None, keep: int) -> int | None:
-        channel.send({"op": "put", **_slot_message(header, self.run_id), "keep": keep}, meta)
+              meta: bytes, pace: Callable[[int], None] | None, keep: int,
+              round_id: str) -> int | None:
+        channel.send({"op": "put", **_slot_message(header, self.run_id), "keep": keep,
+                      "round": round_id}, meta)
         if parse_reply(channel.recv()[0]).get("have") is True:
             return header.step
         _send_file(channel.sock, source.fd, memory.HEADER_SIZE, header.data_len, self.timeout,
