@@ -12,7 +12,8 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
     replication/done/<node> JSON: the newest target node ``node`` has replicated
     ranks/<rank>            JSON: the host holding the rank and its newest step per tier
     replicas/<rank>/<host>  JSON: the newest step of ``rank`` that ``host`` keeps a replica of
-    events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...)
+    events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...);
+                            the root keeps the newest STORE_EVENT_LIMIT
 
 Each supervisor runs :class:`CoordinationService`: it registers under a lease kept alive
 in the background, publishes its ranks' newest committed steps, campaigns for root, and,
@@ -52,6 +53,12 @@ STORE_EVENTS = frozenset({"launch", "worker_exit", "hang", "restart", "exit", "h
                           "root_elected", "restore_plan", "no_restart", "round_retry"})
 
 
+#: Events kept in the store per run (the root deletes older ones); ``gemini status``
+#: shows the latest, and every host's events.jsonl keeps them all.
+STORE_EVENT_LIMIT = 500
+_PRUNE_EVERY = 50  # events written between two prunes
+
+
 def run_prefix(run_id: str) -> str:
     return f"{ROOT}{run_id}/"
 
@@ -73,6 +80,7 @@ class CoordinationService:
         }
         self._published: dict[str, Any] = {}
         self._lost: set[str] = set()
+        self._unpruned = _PRUNE_EVERY  # events written since the last prune: prune at once
         self.persist_status: Callable[[], Mapping[int, int]] | None = None
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -247,6 +255,19 @@ class CoordinationService:
                 for item in pending[i:]:  # keep the order; retried on the next beat
                     self._outbox.put(item)
                 raise
+            self._unpruned += 1
+        if self.is_root and self._unpruned >= _PRUNE_EVERY:
+            self._unpruned = 0
+            prune_events(self.store, self.prefix)
+
+
+def prune_events(store: Store, prefix: str, keep: int = STORE_EVENT_LIMIT) -> int:
+    """Delete all but the newest ``keep`` events under ``prefix`` (a run's prefix; event
+    keys sort by time); returns how many were deleted."""
+    keys = sorted(store.get_prefix(prefix + "events/"))
+    for key in keys[:-keep] if len(keys) > keep else []:
+        store.delete(key)
+    return max(0, len(keys) - keep)
 
 
 def _dump(value: Any) -> bytes:

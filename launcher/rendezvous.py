@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import sys
 import time
 from collections.abc import Iterable
@@ -32,6 +33,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from launcher.errors import StoreError, StoreUncertainError
 from launcher.store import Store, open_store
+
+logger = logging.getLogger(__name__)
 
 BACKEND = "etcd-v3"
 _POLL = 0.02
@@ -160,7 +163,34 @@ def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
     # c10d's --rdzv-conf key for its store's timeout, here too
     timeout = datetime.timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
     torch_store = TorchStore(store, f"gemini/rdzv/{params.run_id}/kv/", timeout)
-    return create_handler(torch_store, backend, params)
+    handler = create_handler(torch_store, backend, params)
+    next_rendezvous = handler.next_rendezvous
+
+    def next_rendezvous_pruned() -> Any:
+        info = next_rendezvous()
+        if info.rank == 0:
+            try:
+                prune_rounds(store, params.run_id, handler._state_holder.state.round)
+            except StoreError as exc:
+                logger.warning("could not prune the keys of earlier rendezvous rounds: %s", exc)
+        return info
+
+    setattr(handler, "next_rendezvous", next_rendezvous_pruned)  # noqa: B010
+    return handler
+
+
+def prune_rounds(store: Store, run_id: str, current: int) -> int:
+    """Delete the keys torch's rendezvous left for rounds before ``current - 1`` (each
+    round scopes its keys under ``torch.rendezvous.<run_id>.<round>/``; no member reads
+    them once a later round formed): the store stays the same size however often the job
+    restarts. Returns the number of keys deleted."""
+    prefix = f"gemini/rdzv/{run_id}/kv/torch.rendezvous.{run_id}."
+    deleted = 0
+    for key in store.get_prefix(prefix):
+        number = key[len(prefix):].partition("/")[0]
+        if number.isdigit() and int(number) < current - 1:
+            deleted += store.delete(key)
+    return deleted
 
 
 def register() -> None:

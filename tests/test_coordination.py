@@ -242,3 +242,68 @@ def test_replacement_host_takes_the_lost_slot(tmp_path: Path) -> None:
             for proc in (h0, h1, h2):
                 if proc is not None:
                     kill_group(proc)
+
+
+def test_old_events_and_rendezvous_rounds_are_pruned(tmp_path: Path) -> None:
+    from launcher.coordination import prune_events
+    from launcher.rendezvous import prune_rounds
+    from launcher.store import EmbeddedStore
+
+    store = EmbeddedStore(tmp_path / "store.db")
+    try:
+        for i in range(30):
+            store.put(f"gemini/runs/r/events/{i:020d}-h0", b"{}")
+        assert prune_events(store, "gemini/runs/r/", keep=10) == 20
+        assert sorted(store.get_prefix("gemini/runs/r/events/")) == [
+            f"gemini/runs/r/events/{i:020d}-h0" for i in range(20, 30)]
+        kv = "gemini/rdzv/r/kv/torch.rendezvous.r."
+        for round_ in range(12):
+            for key in ("0", "1", "last_member"):
+                store.put(f"{kv}{round_}/{key}", b"x")
+        store.put("gemini/rdzv/r/state", b"s")
+        assert prune_rounds(store, "r", 11) == 30
+        left = store.get_prefix("gemini/rdzv/r/")
+        assert sorted({k[len(kv):].partition("/")[0] for k in left if k.startswith(kv)}) == [
+            "10", "11"]
+        assert "gemini/rdzv/r/state" in left
+    finally:
+        store.close()
+
+
+@pytest.mark.etcd
+def test_the_store_does_not_grow_with_restarts(tmp_path: Path) -> None:
+    """Two hosts, a worker killed six times: the store holds the rendezvous keys of the
+    last two rounds only, so its size does not depend on how often the job restarted."""
+    kills = [arg for attempt in range(6) for arg in ("--kill", f"1:{3 + 3 * attempt}:step:{attempt}")]
+    with EtcdServer() as etcd:
+        def host(i: int) -> subprocess.Popen[str]:
+            return start([*GEMINI, "run", "--nnodes", "2:2", "--nproc-per-node", "1",
+                          "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                          "--rdzv-id", "keys", "--store", etcd.url, "--max-restarts", "10",
+                          "--replication-addr", "127.0.0.1", "--no-standby",
+                          str(SCRIPTS / "train_ckpt.py"), "--steps", "30", *kills],
+                         env=env_with(tmp_path, GEMINI_HOST_ID=f"h{i}",
+                                      GEMINI_SHM_DIR=str(tmp_path / f"shm{i}")))
+        for i in range(2):
+            (tmp_path / f"shm{i}").mkdir()
+        hosts = [host(i) for i in range(2)]
+        try:
+            for proc in hosts:
+                out, _ = proc.communicate(timeout=300)
+                assert proc.returncode == 0, out[-3000:]
+        finally:
+            for proc in hosts:
+                kill_group(proc)
+        restarts = [e for e in events(tmp_path / "runs") if e["event"] == "restart"]
+        assert len(restarts) >= 12, restarts
+        from launcher.store import open_store
+
+        store = open_store(etcd.url)
+        try:
+            keys = store.get_prefix("gemini/")
+        finally:
+            store.close()
+    kv = "gemini/rdzv/keys/kv/torch.rendezvous.keys."
+    rounds = {k[len(kv):].partition("/")[0] for k in keys if k.startswith(kv)}
+    assert len(rounds) <= 2, sorted(rounds)
+    assert len(keys) < 120, len(keys)  # 154 before pruning, growing by ~20 a restart
