@@ -40,11 +40,14 @@ def _argv(tmp: Path, endpoint: str, *extra: str) -> list[str]:
             "--out", str(tmp / "out.pt")]
 
 
-def _reference(tmp: Path) -> dict:
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same training on one supervisor with the same world size, with no fault."""
+    tmp = tmp_path_factory.mktemp("reference")
     out = tmp / "reference.pt"
     done = run([*GEMINI, "run", "--nproc-per-node", "2", "--no-standby", *TRAIN,
                 "--steps", str(STEPS), "--out", str(out)],
-               env=env_with(tmp / "ref", GEMINI_HOST_ID="ref"), timeout=240)
+               env=env_with(tmp, GEMINI_HOST_ID="ref"), timeout=240)
     assert done.returncode == 0, done.output[-3000:]
     return torch.load(out)
 
@@ -86,9 +89,8 @@ def _assert_untouched(tmp: Path, hosts: list[Host], reference: dict) -> list[dic
     return [e for e in found if e["event"] == "store_back"]
 
 
-def test_etcd_killed_and_restarted_never_stops_training(tmp_path: Path) -> None:
+def test_etcd_killed_and_restarted_never_stops_training(tmp_path: Path, reference: dict) -> None:
     """etcd SIGKILLed and restarted on its data after 0.5, 2 and 8 s, at random moments."""
-    reference = _reference(tmp_path)
     rng = random.Random()
     with EtcdServer() as etcd:
         def restarts(_: list[Host]) -> None:
@@ -106,10 +108,9 @@ def test_etcd_killed_and_restarted_never_stops_training(tmp_path: Path) -> None:
     assert len(unreachable) == len(backs), (unreachable, backs)
 
 
-def test_etcd_cluster_members_lost_never_stop_training(tmp_path: Path) -> None:
+def test_etcd_cluster_members_lost_never_stop_training(tmp_path: Path, reference: dict) -> None:
     """Three etcd members: the leader killed (the others elect a new one), later two of
     the three killed at once (no quorum) for 3 s and brought back."""
-    reference = _reference(tmp_path)
     with EtcdCluster(3) as cluster:
         def member_losses(_: list[Host]) -> None:
             leader = cluster.leader()
@@ -129,11 +130,10 @@ def test_etcd_cluster_members_lost_never_stop_training(tmp_path: Path) -> None:
     _assert_untouched(tmp_path, hosts, reference)
 
 
-def test_hung_etcd_within_the_window_then_past_it(tmp_path: Path) -> None:
+def test_hung_etcd_within_the_window_then_past_it(tmp_path: Path, reference: dict) -> None:
     """etcd frozen for 3 s: ridden out. Frozen for longer than --store-timeout: both
     supervisors exit 3 within the window and a few seconds, keeping their memory; once
     etcd is back, the same command resumes from that memory and ends as an unfailed run."""
-    reference = _reference(tmp_path)
     window = 6.0
     with EtcdServer() as etcd:
         frozen: list[float] = []
@@ -180,14 +180,13 @@ def _signal_host(host: Host, sig: signal.Signals) -> None:
             pass
 
 
-def test_a_frozen_host_is_fenced_out_and_the_job_goes_on(tmp_path: Path) -> None:
+def test_a_frozen_host_is_fenced_out_and_the_job_goes_on(tmp_path: Path, reference: dict) -> None:
     """Two hosts and a spare; every process of the host in node slot 1 is frozen
     (SIGSTOP) for longer than --host-ttl: once its lease expires the survivor restarts
     the round with the spare, which pulls the frozen host's ranks from the survivor's
     memory. Woken (SIGCONT) after the job moved on, the frozen host stops its stale
     workers, waits as a spare and exits 0 when the job ends; the job's result equals an
     unfailed run's."""
-    reference = _reference(tmp_path)
     hosts: list[Host] = []
     by = time.monotonic() + 400
     with EtcdServer() as etcd:
