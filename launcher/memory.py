@@ -1,7 +1,11 @@
 """Shared-memory checkpoint slots: naming, layout, double buffering and checksums.
 
 A *segment* is a file in ``/dev/shm`` (POSIX shared memory) created by the supervisor,
-which owns it, so it outlives any worker. Workers only attach to it with ``os.open`` and
+which owns it, so it outlives any worker. Segments live in a directory private to the
+user (:func:`shm_dir`: ``/dev/shm/gemini-<uid>``, mode 0700), where no other user can
+plant a file or a symlink under gemini's predictable names, and every file is checked
+when opened (:func:`open_segment`): never followed through a link, a regular file of
+this user, mode 0600, one link. Workers only attach to it with ``os.open`` and
 ``mmap`` — never with ``multiprocessing.shared_memory``, whose resource tracker unlinks a
 segment when an attaching process dies (before Python 3.13).
 
@@ -25,9 +29,11 @@ import enum
 import hashlib
 import itertools
 import json
+import logging
 import mmap
 import os
 import re
+import stat
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,7 +44,8 @@ import xxhash
 
 from launcher.errors import CheckpointError, StorageError
 
-SHM_DIR = Path(os.environ.get("GEMINI_SHM_DIR", "/dev/shm"))
+logger = logging.getLogger(__name__)
+
 PREFIX = "gemini-"
 MAGIC = b"GEMINIck"
 FORMAT_VERSION = 1
@@ -140,17 +147,87 @@ def heartbeat_name(prefix: str) -> str:
     return prefix + HEARTBEAT_SUFFIX
 
 
+# -- where segments live ------------------------------------------------------------------
+_SHM_DIR: Path | None = None
+
+
+def shm_dir() -> Path:
+    """This user's private directory for segments: the first of ``<base>/gemini-<uid>``,
+    ``<base>/gemini-<uid>-1``, ... that is a directory of this user with mode 0700
+    (created so where absent), ``<base>`` being ``$GEMINI_SHM_DIR`` or ``/dev/shm``. A
+    name another user took first (a file, a link, a directory not ours) is reported and
+    skipped: it can delay nothing but the adoption of an earlier run's memory."""
+    global _SHM_DIR
+    if _SHM_DIR is None:
+        _SHM_DIR = _private_dir(Path(os.environ.get("GEMINI_SHM_DIR", "/dev/shm")))
+    return _SHM_DIR
+
+
+def _private_dir(base: Path) -> Path:
+    uid = os.geteuid()
+    for n in range(64):
+        path = base / (f"{PREFIX}{uid}" if n == 0 else f"{PREFIX}{uid}-{n}")
+        try:
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            raise StorageError(f"the shared-memory directory {base} does not exist") from None
+        except OSError as exc:
+            raise StorageError(f"cannot create {path}: {exc.strerror}") from None
+        info = os.lstat(path)
+        if (stat.S_ISDIR(info.st_mode) and info.st_uid == uid
+                and stat.S_IMODE(info.st_mode) == 0o700):
+            return path
+        logger.warning("ignoring %s: not a private directory of this user (owner uid %d, "
+                       "mode %o)", path, info.st_uid, info.st_mode)
+    raise StorageError(f"no private directory for shared memory in {base}: every "
+                       f"{PREFIX}{uid}[-N] name is taken by another user")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SHM_DIR":  # the directory segments live in, resolved when first needed
+        return shm_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def open_segment(name: str, flags: int) -> int:
+    """A descriptor of segment ``name`` opened with ``flags``, after checking that it is
+    what gemini creates: not a link (O_NOFOLLOW), a regular file owned by this user,
+    mode 0600, one link, not empty. Anything else raises StorageError
+    (the caller reports it and leaves the file alone)."""
+    path = shm_dir() / name
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise StorageError(f"shared-memory segment {name} does not exist") from None
+    except OSError as exc:
+        raise StorageError(f"cannot open shared-memory segment {name}: {exc.strerror}") from None
+    info = os.fstat(fd)
+    why = ("not a regular file" if not stat.S_ISREG(info.st_mode)
+           else f"owned by uid {info.st_uid}" if info.st_uid != os.geteuid()
+           else f"mode {stat.S_IMODE(info.st_mode):o}" if stat.S_IMODE(info.st_mode) != 0o600
+           else f"{info.st_nlink} links" if info.st_nlink != 1
+           else "empty" if info.st_size == 0
+           else None)
+    if why is not None:
+        os.close(fd)
+        raise StorageError(f"refusing shared-memory file {path}: {why}")
+    return fd
+
+
 def list_segments(prefix: str = PREFIX) -> list[str]:
     """Names of the segments in the shared-memory directory that start with ``prefix``."""
     try:
-        return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix))
+        return sorted(p.name for p in shm_dir().iterdir() if p.name.startswith(prefix))
     except FileNotFoundError:
         return []
 
 
 def shm_free_bytes() -> int:
     """Bytes still available in the shared-memory file system."""
-    stats = os.statvfs(SHM_DIR)
+    stats = os.statvfs(shm_dir())
     return stats.f_bavail * stats.f_frsize
 
 
@@ -168,7 +245,7 @@ class Segment:
 
     @property
     def path(self) -> Path:
-        return SHM_DIR / self.name
+        return shm_dir() / self.name
 
     @property
     def view(self) -> mmap.mmap:
@@ -187,16 +264,16 @@ class Segment:
 
 def create_segment(name: str, size: int) -> Segment:
     """Create (replacing any old file of that name) and pre-fault a segment of ``size``."""
-    path = SHM_DIR / name
+    path = shm_dir() / name
     path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)  # pre-fault: first-touch pages cost ~7x a warm copy
     except OSError as exc:
         os.close(fd)
         path.unlink(missing_ok=True)
-        raise StorageError(f"cannot allocate {size} bytes in {SHM_DIR} for {name}: "
+        raise StorageError(f"cannot allocate {size} bytes in {shm_dir()} for {name}: "
                            f"{exc.strerror}") from None
     return Segment(name, fd, size)
 
@@ -204,16 +281,13 @@ def create_segment(name: str, size: int) -> Segment:
 def attach_segment(name: str, *, populate: bool = True) -> Segment:
     """Map an existing segment read-write (no resource tracker involved); ``populate``
     maps every page up front, which a writer wants and a one-off reader does not."""
-    try:
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise StorageError(f"shared-memory segment {name} does not exist") from None
+    fd = open_segment(name, os.O_RDWR)
     return Segment(name, fd, os.fstat(fd).st_size, populate=populate)
 
 
 def unlink_segment(name: str) -> None:
     """Remove a segment (idempotent); mappings stay valid until unmapped."""
-    (SHM_DIR / name).unlink(missing_ok=True)
+    (shm_dir() / name).unlink(missing_ok=True)
 
 
 # -- header --------------------------------------------------------------------------

@@ -62,7 +62,12 @@ def owner_alive(record: dict[str, Any]) -> bool:
 
 def read_owner(prefix: str) -> dict[str, Any] | None:
     try:
-        data = json.loads((memory.SHM_DIR / owner_name(prefix)).read_text())
+        fd = memory.open_segment(owner_name(prefix), os.O_RDONLY)
+    except StorageError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            data = json.loads(fh.read(4096))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -107,7 +112,8 @@ class SlotOwner:
         record = {"pid": me.pid, "started": me.create_time(), "run_id": self.run_id,
                   "host": self.host_id}
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o600)
         except FileExistsError:  # another supervisor claimed it a moment ago
             return False
         with os.fdopen(fd, "w") as fh:
@@ -122,8 +128,8 @@ class SlotOwner:
                 pairs.setdefault(parsed.rank, [None, None])[parsed.slot] = (
                     memory.attach_segment(name))
                 adopted += 1
-            except StorageError:
-                continue
+            except StorageError as exc:
+                logger.warning("not adopting %s: %s", name, exc)
         if adopted:
             logger.info("adopted %d shared-memory slots of run %s", adopted, self.run_id)
         return True

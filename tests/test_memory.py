@@ -13,6 +13,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -796,3 +797,78 @@ def test_sharded_state_outside_its_model_is_a_clear_error() -> None:
     buf = bytearray(memory.HEADER_SIZE + memory.ALIGN)
     with pytest.raises(CheckpointError, match=r"sharded \(DTensor\) state"):
         hook.load_state(buf, meta)
+
+
+# -- a hostile user on the same host ------------------------------------------------------
+def _as_other_user(*cmd: str) -> None:
+    """Run ``cmd`` as another user (nobody), as a neighbour on a shared host would."""
+    subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd],
+                   check=True, timeout=30)
+
+
+def test_names_taken_by_another_user_or_a_link_are_skipped(tmp_path: Any) -> None:
+    """Another user squats the private directory's name and plants a link under the
+    next one: gemini opens neither, writes nothing where the link points, and trains in
+    the next free name, a directory of its own with mode 0700."""
+    import shutil
+    import tempfile
+
+    from helpers import GEMINI, SCRIPTS, env_with, run
+
+    # where the other user can reach it (pytest's tmp_path is private to this one)
+    base = Path(tempfile.mkdtemp(prefix="gtest-hostile-",
+                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        os.chmod(base, 0o1777)  # as /dev/shm
+        uid = os.geteuid()
+        squatted = base / f"gemini-{uid}"
+        if uid == 0:
+            _as_other_user("mkdir", "-m", "0777", str(squatted))
+        else:  # without root: a directory of ours, but open to everyone
+            squatted.mkdir()
+            os.chmod(squatted, 0o777)
+        victim = tmp_path / "victim"
+        victim.write_bytes(b"precious")
+        (base / f"gemini-{uid}-1").symlink_to(victim)
+        done = run([*GEMINI, "run", "--nproc-per-node", "2", "--no-standby", "--max-restarts", "1",
+                    str(SCRIPTS / "train_ckpt.py"), "--steps", "6", "--kill", "1:3:step"],
+                   env=env_with(tmp_path, GEMINI_SHM_DIR=str(base)), timeout=180)
+        assert done.returncode == 0, done.output[-3000:]
+        assert "resume rank=1 start=4 attempt=1" in done.output, done.output[-3000:]
+        assert victim.read_bytes() == b"precious" and list(squatted.iterdir()) == []
+        mine = base / f"gemini-{uid}-2"
+        assert mine.is_dir() and not mine.is_symlink() and (mine.stat().st_mode & 0o777) == 0o700
+        assert "ignoring" in done.output
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_an_unsafe_file_under_a_slot_name_is_left_alone(tmp_path: Any,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a slot's name: a link to another file, a hard link, a file of the wrong
+    mode. The owner adopts none of them (and says so), never writes through them, and
+    allocates its slots as usual."""
+    monkeypatch.setenv("GEMINI_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(memory, "_SHM_DIR", None)
+    prefix = memory.segment_prefix("hostile", "h0")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * 8192)
+    os.chmod(victim, 0o600)
+    where = memory.shm_dir()
+    (where / memory.slot_name(prefix, 0, 0)).symlink_to(victim)
+    os.link(victim, where / memory.slot_name(prefix, 0, 1))
+    loose = where / memory.slot_name(prefix, 1, 0)
+    loose.write_bytes(b"x" * 8192)
+    os.chmod(loose, 0o644)
+    for name in (memory.slot_name(prefix, 0, 0), memory.slot_name(prefix, 0, 1),
+                 memory.slot_name(prefix, 1, 0)):
+        with pytest.raises(StorageError, match="does not exist|refusing|cannot open"):
+            memory.attach_segment(name)
+    owner = SlotOwner(run_id="hostile", host_id="h0", local_world_size=2)
+    try:
+        assert owner.segments() == {}
+        names = owner.allocate(0, 1 << 16)
+        assert len(names) == 2 and victim.read_bytes() == b"v" * 8192
+    finally:
+        owner.close()
+    assert victim.read_bytes() == b"v" * 8192

@@ -87,11 +87,11 @@ def shm(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A private shared-memory directory; no segment may be left in it."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") else None
     path = Path(tempfile.mkdtemp(prefix="gtest-persist-", dir=base))
-    monkeypatch.setattr(memory, "SHM_DIR", path)
     monkeypatch.setenv("GEMINI_SHM_DIR", str(path))
+    monkeypatch.setattr(memory, "_SHM_DIR", None)  # resolved again, under ``path``
     try:
         yield path
-        assert sorted(os.listdir(path)) == [], "shared-memory segments left behind"
+        assert sorted(os.listdir(memory.shm_dir())) == [], "shared-memory segments left behind"
     finally:
         shutil.rmtree(path, ignore_errors=True)
 

@@ -521,11 +521,10 @@ class _SourceFile:
     even if the owner recreates the segment meanwhile."""
 
     def __init__(self, segment: memory.Segment) -> None:
-        path = memory.SHM_DIR / segment.name
         try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise ReplicationError(f"cannot open slot {segment.name}: {exc.strerror}") from None
+            self.fd = memory.open_segment(segment.name, os.O_RDONLY)
+        except StorageError as exc:
+            raise ReplicationError(f"cannot open slot {segment.name}: {exc}") from None
         try:
             self.size = os.fstat(self.fd).st_size
             if self.size < memory.HEADER_SIZE:
