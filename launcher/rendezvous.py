@@ -267,16 +267,20 @@ def _steady_heartbeats(self: Any) -> None:
 
 def _outage_aware(sanitize: Any) -> Any:
     """torch's removal of dead nodes from the rendezvous state, skipped while the store is
-    away and for one keep-alive grace after it is back: no node could heartbeat through
-    the outage, so every heartbeat is stale, and a node that synced first would drop all
-    the others, healthy as they are, from the running round."""
+    away or slow: while it is unreachable and for one keep-alive grace after it is back,
+    and whenever no node at all has heartbeated within the keep-alive window (a store
+    too slow to take writes, a quorum being re-formed). Then every heartbeat is stale,
+    and a node that synced first would drop all the others, healthy as they are, and
+    itself from the running round."""
 
     def sanitize_unless_after_outage(self: Any) -> None:
         store = getattr(self._backend, "store", None)
         settings = self._settings
-        grace = (settings.keep_alive_interval * settings.keep_alive_max_attempt
-                 ).total_seconds() + settings.keep_alive_interval.total_seconds()
-        if store is not None and store.unreachable_within(grace):
+        window = settings.keep_alive_interval * settings.keep_alive_max_attempt
+        grace = window.total_seconds() + settings.keep_alive_interval.total_seconds()
+        beats = self._state.last_heartbeats.values()
+        if (store is not None and store.unreachable_within(grace)) or (
+                beats and max(beats) < datetime.datetime.now(datetime.timezone.utc) - window):
             self._dead_nodes = []
             return
         sanitize(self)
