@@ -22,6 +22,7 @@ from typing import Any, Literal, Union
 import yaml
 
 from launcher.errors import ConfigError
+from launcher.events import check_run_id
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
 NumaBinding = Literal["node", "socket", "exclusive", "core-complex"]
@@ -192,6 +193,7 @@ class RunConfig:
         for item in filter(None, self.rdzv_conf.split(",")):
             if "=" not in item or not item.split("=", 1)[0].strip():
                 raise ConfigError(f"rdzv_conf item {item!r}: expected key=value", field="rdzv_conf")
+        check_run_id(self.rdzv_id)
         if self.module and self.no_python:
             raise ConfigError("--module and --no-python cannot be used together")
         for name in ("start_method", "numa_binding"):

@@ -9,18 +9,34 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from launcher.errors import ConfigError
+
 EVENTS_FILE = "events.jsonl"
+
+
+_RUN_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._:-]{0,127}")
+
+
+def check_run_id(run_id: str) -> str:
+    """``run_id`` if it is a safe name for a directory (1-128 letters, digits, ``.``,
+    ``_``, ``:``, ``-``; not starting with a dot, a colon or a dash); else ConfigError."""
+    if not _RUN_ID.fullmatch(run_id):
+        shown = run_id if len(run_id) <= 40 else run_id[:40] + "..."
+        raise ConfigError(f"run id {shown!r}: use 1-128 letters, digits, '.', '_', ':' or '-', "
+                          "not starting with '.', ':' or '-'", field="rdzv_id")
+    return run_id
 
 
 def run_directory(run_root: str, run_id: str) -> Path:
     """Where the run's events and state live (the path, without creating it)."""
-    return Path(os.path.expanduser(run_root)) / run_id
+    return Path(os.path.expanduser(run_root)) / check_run_id(run_id)
 
 
 class EventLog:

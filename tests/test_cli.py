@@ -21,6 +21,8 @@ from helpers import GEMINI, SCRIPTS, env_with, run
     (["run"], 2, "Missing argument"),
     (["run", "--config", "/nonexistent/gemini.yaml", "x.py"], 2, "cannot read config file"),
     (["run", "--config", "/", "x.py"], 2, "cannot read config file /: Is a directory"),
+    (["run", "--rdzv-id", "../../x", str(SCRIPTS / "train_ckpt.py")], 2, "run id '../../x'"),
+    (["run", "--rdzv-id", "a" * 200, str(SCRIPTS / "train_ckpt.py")], 2, "1-128 letters"),
     (["frobnicate"], 2, "No such command"),
     (["template", "nope"], 2, "Invalid value"),
 ])
