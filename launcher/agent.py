@@ -647,6 +647,7 @@ def _launch(config: RunConfig, command: Command,
     from launcher.store import open_store, watch_outages
 
     args = torchrun.parse_args(torchrun_argv(config, command))  # type: ignore[no-untyped-call]
+    _check_backend(args.rdzv_backend)
     _apply_torchrun_defaults(args, torchrun.parse_min_max_nnodes)
     launch_config, entrypoint, entry_args = torchrun.config_from_args(args)
     _handle_signals(launch_config.signals_to_handle)
@@ -781,6 +782,21 @@ def _launch(config: RunConfig, command: Command,
             service.close()
         unwatch()
         events.close()
+
+
+def _check_backend(backend: str) -> None:
+    """A ConfigError for a rendezvous backend torch does not know (before torch warns
+    about flags that only matter to other backends)."""
+    from torch.distributed.elastic.rendezvous import registry  # registers torch's own
+    from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+
+    from launcher.rendezvous import BACKEND
+
+    assert registry is not None  # imported for its registrations
+    known = {*getattr(rendezvous_handler_registry, "_registry", {}), BACKEND, "static"}
+    if backend not in known:
+        raise ConfigError(f"unknown rendezvous backend {backend[:40]!r}; use one of: "
+                          f"{', '.join(sorted(known))}", field="rdzv_backend")
 
 
 def _store_outage(exc: BaseException) -> StoreUnavailableError | None:

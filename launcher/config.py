@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -32,6 +33,8 @@ _NPROC_NAMES = ("auto", "cpu", "gpu", "xpu")
 _STD_SPEC = re.compile(r"^([0-3])$|^(\d+:[0-3])(,\d+:[0-3])*$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
+
+DAY = 86400.0  # the longest timeout a flag may ask for; also rules out inf and nan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,16 +166,16 @@ class RunConfig:
         if self.replication_addr:
             _parse_host_port(self.replication_addr, "replication_addr")
         for name, ok, rule in (
-            ("host_ttl", self.host_ttl >= 1, ">= 1 second"),
-            ("store_timeout", self.store_timeout >= 0, ">= 0 seconds"),
-            ("hang_timeout", self.hang_timeout >= 0, ">= 0 seconds"),
+            ("host_ttl", 1 <= self.host_ttl <= DAY, "between 1 and 86400 seconds"),
+            ("store_timeout", 0 <= self.store_timeout <= DAY, "between 0 and 86400 seconds"),
+            ("hang_timeout", 0 <= self.hang_timeout <= DAY, "between 0 and 86400 seconds"),
             ("replicas", self.replicas >= 1, ">= 1"),
             ("replicate_every", self.replicate_every >= 0, ">= 0"),
-            ("replication_rate", self.replication_rate >= 0, ">= 0 MB/s"),
+            ("replication_rate", 0 <= self.replication_rate < math.inf, ">= 0 MB/s, finite"),
             ("persist_keep", self.persist_keep >= 1, ">= 1"),
             ("node_rank", self.node_rank >= 0, ">= 0"),
             ("max_restarts", self.max_restarts >= 0, ">= 0"),
-            ("monitor_interval", self.monitor_interval > 0, "> 0"),
+            ("monitor_interval", 0 < self.monitor_interval <= DAY, "> 0 and at most 86400"),
             ("master_port", self.master_port is None or 0 <= self.master_port < 65536,
              "in 0..65535"),
             ("shutdown_timeout", self.shutdown_timeout is None or self.shutdown_timeout >= 0,

@@ -23,6 +23,12 @@ from helpers import GEMINI, SCRIPTS, env_with, run
     (["run", "--config", "/", "x.py"], 2, "cannot read config file /: Is a directory"),
     (["run", "--rdzv-id", "../../x", str(SCRIPTS / "train_ckpt.py")], 2, "run id '../../x'"),
     (["run", "--rdzv-id", "a" * 200, str(SCRIPTS / "train_ckpt.py")], 2, "1-128 letters"),
+    (["run", "--host-ttl", "inf", str(SCRIPTS / "train_ckpt.py")], 2, "host_ttl=inf"),
+    (["run", "--host-ttl", "1e300", str(SCRIPTS / "train_ckpt.py")], 2, "between 1 and 86400"),
+    (["run", "--store-timeout", "nan", str(SCRIPTS / "train_ckpt.py")], 2, "store_timeout=nan"),
+    (["run", "--rdzv-backend", "carrier-pigeon", str(SCRIPTS / "train_ckpt.py")], 2,
+     "unknown rendezvous backend 'carrier-pigeon'"),
+    (["plan", "--nodes", "1000000000"], 2, "not in the range"),
     (["frobnicate"], 2, "No such command"),
     (["template", "nope"], 2, "Invalid value"),
 ])
