@@ -325,19 +325,51 @@ def convert_value(name: str, raw: Any, source: str) -> Any:
         if isinstance(raw, (dict, list)):
             raise ValueError(raw)
         return str(raw)
-    except ValueError:
+    except (ValueError, TypeError, OverflowError):
         kind = getattr(base, "__name__", "one of the allowed values")
-        raise ConfigError(f"{source}: {name}={raw!r} is not a valid {kind}") from None
+        shown = repr(raw) if len(repr(raw)) <= 60 else repr(raw)[:60] + "..."
+        raise ConfigError(f"{source}: {name}={shown} is not a valid {kind}") from None
+
+
+_CONFIG_MAX_BYTES = 1 << 20
+_CONFIG_MAX_DEPTH = 16
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML for a config file: no aliases (a few hundred bytes of them expand to
+    gigabytes) and no deep nesting (the composer recurses)."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed",
+                                              self.peek_event().start_mark)  # type: ignore[no-untyped-call]
+        if self._depth >= _CONFIG_MAX_DEPTH:
+            raise yaml.composer.ComposerError(None, None, "nested too deeply",
+                                              self.peek_event().start_mark)  # type: ignore[no-untyped-call]
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a ``gemini.yaml``; keys may be spelled with dashes or underscores."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as fh:
+            raw = fh.read(_CONFIG_MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    if len(raw) > _CONFIG_MAX_BYTES:
+        raise ConfigError(f"config file {path}: larger than {_CONFIG_MAX_BYTES >> 20} MiB")
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

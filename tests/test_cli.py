@@ -46,9 +46,15 @@ def test_bad_input_one_line(tmp_path: Path, args: list[str], exit_code: int,
     ("nproc_per_nod: 2\n", "did you mean 'nproc_per_node'"),
     ("nnodes: [\n", "line 2"),
     ("max_restarts: lots\n", "not a valid int"),
+    ("replicas: [1, 2]\n", "replicas=[1, 2] is not a valid int"),
+    ("host_ttl: " + "[" * 100_000 + "]" * 100_000 + "\n", "nested too deeply"),
+    ("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     "c: [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n", "aliases (*name) are not allowed"),
+    ("run_root: \xff\xfe\n", "not UTF-8 text"),
+    ("nnodes: " + "x" * 2_000_000 + "\n", "larger than 1 MiB"),
 ])
 def test_invalid_config_file(tmp_path: Path, text: str, message: str) -> None:
-    (tmp_path / "gemini.yaml").write_text(text)
+    (tmp_path / "gemini.yaml").write_bytes(text.encode("latin-1"))
     script = tmp_path / "x.py"
     script.write_text("")
     done = run([*GEMINI, "run", "--config", "gemini.yaml", "x.py"], env=env_with(tmp_path),
