@@ -689,3 +689,13 @@ def test_frame_parser_fuzz() -> None:
     with pytest.raises(ReplicationError):
         transport.decode_json(deep[:MAX_JSON])
     assert time.monotonic() - start < 10
+
+
+def test_secret_file_is_read_bounded() -> None:
+    """--secret-file /dev/zero (endless) or a short file: one clear error, read bounded."""
+    from launcher.replication.service import load_secret
+
+    with pytest.raises(ConfigError, match="longer than 4096 bytes"):
+        load_secret("/dev/zero", None, "run")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cannot read the secret file"):
+        load_secret("/nonexistent/secret", None, "run")  # type: ignore[arg-type]

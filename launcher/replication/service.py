@@ -60,15 +60,22 @@ STORE_POLL = 0.05  # seconds between two reads of the replication plan or report
 REPORT_EVERY = 30.0  # seconds between two ``replication_progress`` events
 
 
+MAX_SECRET = 4096  # bytes of a --secret-file
+
+
 def load_secret(secret_file: str, store: Store, run_id: str) -> bytes:
     """The run's replication secret: from ``secret_file``, or created once at random and
     shared through the coordination store (the first supervisor to ask creates it)."""
     if secret_file:
         try:
-            secret = Path(secret_file).expanduser().read_bytes().strip()
+            with open(Path(secret_file).expanduser(), "rb") as fh:
+                secret = fh.read(MAX_SECRET + 1)  # bounded: the file may be /dev/zero
         except OSError as exc:
             raise ConfigError(f"cannot read the secret file {secret_file}: "
                               f"{exc.strerror or exc}") from None
+        if len(secret) > MAX_SECRET:
+            raise ConfigError(f"secret file {secret_file}: longer than {MAX_SECRET} bytes")
+        secret = secret.strip()
         if len(secret) < 16:
             raise ConfigError(f"secret file {secret_file}: need at least 16 bytes of secret")
         return secret
