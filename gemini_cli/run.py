@@ -81,7 +81,8 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "Copies of each host's checkpoint in CPU memory, its own included; 1 turns "
      "replication to peer hosts off.  [default: 2]"),
     (("--replication-addr", "--replication_addr"), "replication_addr",
-     "HOST[:PORT] the replication transport listens on.  [default: all interfaces, any port]"),
+     "HOST[:PORT] the replication transport listens on.  [default: --local-addr, else the "
+     "address that reaches the rendezvous endpoint; any port]"),
     (("--secret-file", "--secret_file"), "secret_file",
      "File with the run's replication secret.  [default: random, shared via the store]"),
     (("--replicate-every", "--replicate_every"), "replicate_every",

@@ -821,11 +821,18 @@ def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, eve
     if config.replicas > 1 and launch_config.max_nodes > 1:
         from launcher.replication.service import (
             ReplicationService,
+            address_towards,
             advertised_host,
             load_secret,
         )
 
         bind = config.replication_bind
+        if not config.replication_addr:  # where peers reach this host, not every interface
+            toward = (launch_config.rdzv_endpoint or launch_config.master_addr or "").split(",")[0]
+            host = launch_config.local_addr or address_towards(toward.rpartition(":")[0]
+                                                               if ":" in toward else toward)
+            if host is not None:
+                bind = (host, 0)
         if not config.secret_file and not config.store.startswith("etcd://"):
             logger.warning("replication between hosts needs one secret for the whole run: "
                            "unless every host opens this same embedded store file, pass "

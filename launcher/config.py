@@ -129,8 +129,9 @@ class RunConfig:
     """Copies of each host's checkpoint kept in CPU memory, its own included (1: no
     replication to peer hosts)."""
     replication_addr: str = dataclasses.field(default="", metadata={"gemini": True})
-    """``HOST[:PORT]`` the replication transport listens on (default: every interface, a
-    free port; peers reach it at ``--local-addr`` or this host's name)."""
+    """``HOST[:PORT]`` the replication transport listens on (default: ``--local-addr``, else
+    this host's address on the interface that reaches the rendezvous endpoint, a free
+    port; peers are told the same address)."""
     secret_file: str = dataclasses.field(default="", metadata={"gemini": True})
     """File holding the run's replication secret (default: one generated at random and
     shared through the coordination store)."""

@@ -699,3 +699,13 @@ def test_secret_file_is_read_bounded() -> None:
         load_secret("/dev/zero", None, "run")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="cannot read the secret file"):
         load_secret("/nonexistent/secret", None, "run")  # type: ignore[arg-type]
+
+
+def test_replication_listens_on_the_network_that_reaches_the_rendezvous() -> None:
+    """Without --replication-addr the transport binds the address of the interface that
+    routes to the rendezvous endpoint (here loopback), not every interface."""
+    from launcher.replication.service import address_towards
+
+    assert address_towards("127.0.0.1") == "127.0.0.1"
+    assert address_towards("localhost") in ("127.0.0.1", "::1")
+    assert address_towards("") is None and address_towards("no-such-host.invalid") is None

@@ -90,6 +90,22 @@ def load_secret(secret_file: str, store: Store, run_id: str) -> bytes:
     return value
 
 
+def address_towards(host: str) -> str | None:
+    """The address of this machine's interface that routes to ``host`` (the rendezvous
+    endpoint: the network the hosts share), or None if it cannot be told. No packet is
+    sent: a UDP socket is only connected."""
+    if not host:
+        return None
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), 9,
+                                                             type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
 def advertised_host(bind_host: str, local_addr: str | None) -> str:
     """The address peers use to reach a transport bound to ``bind_host``."""
     if bind_host not in ("", "0.0.0.0", "::"):
