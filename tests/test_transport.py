@@ -395,6 +395,24 @@ def test_oversized_lengths_are_rejected(net: Net, lengths: tuple[int, int]) -> N
     channel.close()
 
 
+def test_an_announced_frame_costs_memory_only_as_it_arrives(net: Net) -> None:
+    """An authenticated peer announces the largest blob and sends a few bytes of it: the
+    server holds about what arrived, not the 64 MiB announced."""
+    import tracemalloc
+
+    server = net.server()
+    channel = net.channel(server)
+    tracemalloc.start()
+    try:
+        channel.sock.sendall(FRAME.pack(100, transport.MAX_META) + b"x" * 10_000)
+        time.sleep(0.5)  # the server's connection thread reads what arrived
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        channel.close()
+    assert peak < 8 << 20, peak
+
+
 def test_forged_and_replayed_frames_are_rejected(net: Net) -> None:
     server = net.server()
     channel = net.channel(server)

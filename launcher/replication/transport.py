@@ -342,14 +342,17 @@ def _header_run_id(run_id: str) -> str:
 
 # -- socket I/O -----------------------------------------------------------------------
 
+_PREALLOCATE = 64 << 10  # bytes of a frame allocated before any of it arrived
+
+
 def _recv_exact(sock: socket.socket, n: int, timeout: float, *, boundary: bool = False,
                 idle: float | None = None) -> bytes:
     """Exactly ``n`` bytes within ``timeout``. With ``boundary`` (a frame starts here) a
     close before the first byte is a clean :class:`_Broken`; with ``idle`` up to ``idle``
     seconds may pass before the first byte (then an :class:`_Idle`), and ``timeout``
-    counts from that byte."""
-    buf = bytearray(n)
-    view = memoryview(buf)
+    counts from that byte. The buffer grows as the bytes arrive (at most twice what was
+    received), so an announced length costs nothing until it is sent."""
+    buf = bytearray(min(n, _PREALLOCATE))
     got = 0
     deadline = None if idle is not None else time.monotonic() + timeout
     try:
@@ -361,8 +364,11 @@ def _recv_exact(sock: socket.socket, n: int, timeout: float, *, boundary: bool =
                 if remaining <= 0:
                     raise TimeoutError
                 sock.settimeout(remaining)
+            if got == len(buf):
+                buf.extend(bytes(min(len(buf), n - len(buf))))
             try:
-                k = sock.recv_into(view[got:], n - got)
+                with memoryview(buf) as view, view[got:] as free:
+                    k = sock.recv_into(free, len(buf) - got)
             except TimeoutError:
                 if got == 0 and idle is not None:
                     raise _Idle(f"no frame within {idle} s") from None
@@ -378,8 +384,6 @@ def _recv_exact(sock: socket.socket, n: int, timeout: float, *, boundary: bool =
         raise ReplicationError(f"timed out after {got} of {n} bytes of a frame") from None
     except OSError as exc:
         raise _Broken(f"connection lost after {got} of {n} bytes of a frame: {exc}") from None
-    finally:
-        view.release()
     return bytes(buf)
 
 
