@@ -727,3 +727,48 @@ def test_replication_listens_on_the_network_that_reaches_the_rendezvous() -> Non
     assert address_towards("127.0.0.1") == "127.0.0.1"
     assert address_towards("localhost") in ("127.0.0.1", "::1")
     assert address_towards("") is None and address_towards("no-such-host.invalid") is None
+
+
+def _connect_from(source: str, address: tuple[str, int]) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((source, 0))  # another loopback address: another "host"
+    sock.connect(address)
+    return sock
+
+
+def test_idle_unauthenticated_connections_never_lock_peers_out(net: Net) -> None:
+    """A neighbour opens 80 connections (more than the server's 64) and never says
+    hello: past 4 from its address the server refuses them at once, a real peer pushes
+    meanwhile, and the held ones are dropped at the handshake deadline."""
+    server = net.server(handshake_timeout=3.0)
+    idle = [_connect_from("127.0.0.2", server.address) for _ in range(80)]
+    try:
+        assert net.client(server).push(fill(net.a, 0, 1, random_data(10_000, 1))) == 1
+        closed = 0
+        for sock in idle:
+            sock.settimeout(5)
+            try:
+                closed += sock.recv(1) == b""
+            except OSError:
+                closed += 1
+        assert closed == 80  # refused at once, or dropped after the deadline
+        assert net.client(server).push(fill(net.a, 0, 2, random_data(10_000, 2))) == 2
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_a_flood_of_bad_hellos_is_reported_in_a_few_lines(net: Net) -> None:
+    server = net.server()
+    for _ in range(100):
+        sock = _connect_from("127.0.0.3", server.address)
+        sock.sendall(b"\x00" * transport.HELLO.size)
+        sock.settimeout(5)
+        try:
+            sock.recv(1)
+        except OSError:
+            pass
+        sock.close()
+    time.sleep(0.2)
+    assert 1 <= len(net.rejects) <= transport.REPORTS_PER_SOURCE, len(net.rejects)
+    assert net.client(server).push(fill(net.a, 0, 1, random_data(10_000, 3))) == 1

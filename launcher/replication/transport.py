@@ -343,6 +343,10 @@ def _header_run_id(run_id: str) -> str:
 # -- socket I/O -----------------------------------------------------------------------
 
 _PREALLOCATE = 64 << 10  # bytes of a frame allocated before any of it arrived
+MAX_AUTHENTICATING = 32  # connections in the handshake, in all
+MAX_AUTHENTICATING_PER_SOURCE = 4  # ... and from one address
+REPORT_INTERVAL = 10.0  # seconds
+REPORTS_PER_SOURCE = 10  # rejections of one address logged and reported per interval
 
 
 def _recv_exact(sock: socket.socket, n: int, timeout: float, *, boundary: bool = False,
@@ -592,7 +596,7 @@ class Server:
                  host: str = "127.0.0.1", port: int = 0,
                  on_reject: Callable[[str, str], None] | None = None,
                  on_replica: Callable[[int, int], None] | None = None,
-                 timeout: float = 30.0, handshake_timeout: float = 10.0,
+                 timeout: float = 30.0, handshake_timeout: float = 2.0,
                  idle_timeout: float = 600.0, max_connections: int = 64, nice: int = 0) -> None:
         """Listen on ``host:port`` (0: any free port, see :attr:`address`). ``timeout``
         bounds every wait once a frame or the data has started, ``handshake_timeout`` the
@@ -614,6 +618,9 @@ class Server:
         self._lock = threading.Lock()
         self._rank_locks: dict[int, threading.Lock] = {}
         self._conns: dict[socket.socket, threading.Thread] = {}
+        self._authenticating: dict[str, int] = {}  # source address -> connections
+        self._authenticated = 0
+        self._reports: dict[str, tuple[float, int, int]] = {}  # source -> (since, told, quiet)
         self._closed = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -656,22 +663,49 @@ class Server:
                 logger.warning("transport: accept failed: %s", exc)
                 time.sleep(0.1)
                 continue
-            peer = f"{addr[0]}:{addr[1]}"
+            peer, source = f"{addr[0]}:{addr[1]}", str(addr[0])
             with self._lock:
                 if self._closed:
                     conn.close()
                     return
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    thread = threading.Thread(target=self._serve, args=(conn, peer), daemon=True,
-                                              name=f"gemini-transport-{peer}")
+                refused = self._refusal(source)
+                if refused is None:
+                    self._authenticating[source] = self._authenticating.get(source, 0) + 1
+                    thread = threading.Thread(target=self._serve, args=(conn, peer, source),
+                                              daemon=True, name=f"gemini-transport-{peer}")
                     self._conns[conn] = thread
                     thread.start()  # under the lock: close() never joins an unstarted thread
-            if full:
+            if refused is not None:
                 conn.close()
-                self._reject(peer, f"too many connections ({self.max_connections})")
+                self._reject(peer, refused)
+
+    def _refusal(self, source: str) -> str | None:
+        """Why a new connection from ``source`` is refused (under the lock), or None. Peers
+        that have not proven the secret yet have their own budget, per source and in all,
+        so that they can never crowd out the authenticated ones."""
+        if sum(self._authenticating.values()) >= MAX_AUTHENTICATING:
+            return f"too many connections still authenticating ({MAX_AUTHENTICATING})"
+        if self._authenticating.get(source, 0) >= MAX_AUTHENTICATING_PER_SOURCE:
+            return (f"too many connections from {source} still authenticating "
+                    f"({MAX_AUTHENTICATING_PER_SOURCE})")
+        if self._authenticated >= self.max_connections:
+            return f"too many connections ({self.max_connections})"
+        return None
 
     def _reject(self, peer: str, reason: str) -> None:
+        """Log and report a rejection: at most :data:`REPORTS_PER_SOURCE` per source
+        address every :data:`REPORT_INTERVAL` seconds, then one line with the count."""
+        source, now = peer.rpartition(":")[0], time.monotonic()
+        with self._lock:
+            since, told, quiet = self._reports.get(source, (now, 0, 0))
+            if now - since >= REPORT_INTERVAL:
+                since, told, quiet = now, 0, quiet  # a new interval; say what was kept quiet
+            if told >= REPORTS_PER_SOURCE:
+                self._reports[source] = (since, told, quiet + 1)
+                return
+            self._reports[source] = (since, told + 1, 0)
+        if quiet:
+            reason += f" (and {quiet} more rejections of {source} not reported)"
         logger.warning("transport: rejected %s: %s", peer, reason)
         if self._on_reject is not None:
             try:
@@ -679,14 +713,25 @@ class Server:
             except Exception:
                 logger.exception("transport: on_reject callback failed")
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
+    def _serve(self, conn: socket.socket, peer: str, source: str) -> None:
         lower_priority(self.nice)
+        authenticated = False
         try:
             try:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError as exc:
-                raise _Broken(f"connection lost: {exc}", clean=True) from None
-            channel = self._authenticate(conn)
+                try:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                except OSError as exc:
+                    raise _Broken(f"connection lost: {exc}", clean=True) from None
+                channel = self._authenticate(conn)
+                authenticated = True
+            finally:
+                with self._lock:
+                    left = self._authenticating.get(source, 1) - 1
+                    if left:
+                        self._authenticating[source] = left
+                    else:
+                        self._authenticating.pop(source, None)
+                    self._authenticated += authenticated
             while not self._closed:
                 try:
                     message, blob = channel.recv(idle=self.idle_timeout)
@@ -711,6 +756,7 @@ class Server:
             logger.exception("transport: unexpected error serving %s", peer)
         finally:
             with self._lock:
+                self._authenticated -= authenticated
                 self._conns.pop(conn, None)
                 conn.close()
 
