@@ -296,12 +296,26 @@ def test_other_run_is_rejected(net: Net) -> None:
     with socket.create_connection(server.address, timeout=5) as sock:
         nonce = os.urandom(transport.NONCE_SIZE)
         sock.sendall(HELLO.pack(MAGIC, nonce, transport.run_tag(net.run_id)))
-        server_nonce, _ = transport.parse_welcome(transport._recv_exact(sock, transport.WELCOME.size, 5))
+        server_nonce = transport.parse_welcome(transport._recv_exact(sock, transport.WELCOME.size, 5))
         sock.sendall(transport._derive(SECRET, transport._CLIENT_PROOF, "another-run", nonce,
                                        server_nonce))
         assert sock.recv(1) == b""
     net.wait_reject("bad client proof")
     assert net.replica_steps() == [] and net.replicas == []
+
+
+def test_the_server_proves_nothing_to_a_stranger(net: Net) -> None:
+    """A client that does not know the secret gets only a random nonce, never a value
+    derived from the secret to test guesses of a weak --secret-file against."""
+    server = net.server()
+    with socket.create_connection(server.address, timeout=5) as sock:
+        nonce = os.urandom(transport.NONCE_SIZE)
+        sock.sendall(HELLO.pack(MAGIC, nonce, transport.run_tag(net.run_id)))
+        welcome = transport._recv_exact(sock, transport.WELCOME.size, 5)
+        assert welcome.startswith(MAGIC) and len(welcome) == len(MAGIC) + transport.NONCE_SIZE
+        sock.sendall(os.urandom(transport.MAC_SIZE))  # a guess
+        assert sock.recv(64) == b""  # closed: no proof of the server's
+    net.wait_reject("bad client proof")
 
 
 def test_connection_dropped_mid_data_keeps_the_committed_replica(net: Net) -> None:

@@ -9,8 +9,10 @@ Wire protocol (all integers little endian)::
 
     handshake (fixed sizes, before any frame)
       client -> server  HELLO    "GEMtrns1" | client nonce (32) | run tag (16)
-      server -> client  WELCOME  "GEMtrns1" | server nonce (32) | server proof (32)
+      server -> client  WELCOME  "GEMtrns1" | server nonce (32)
       client -> server  PROOF    client proof (32)
+      server -> client  PROOF    server proof (32)   (only once the client's verified: a
+                                 stranger learns nothing to test guesses of the secret on)
       server -> client  frame {"ok": true, "run_id": ...}        (the first sealed frame)
 
     run tag      = SHA-256("gemini-transport run" | run id)[:16]  (cheap early rejection)
@@ -78,7 +80,7 @@ NONCE_SIZE = 32
 TAG_SIZE = 16
 MAC_SIZE = 32
 HELLO = struct.Struct(f"<8s{NONCE_SIZE}s{TAG_SIZE}s")
-WELCOME = struct.Struct(f"<8s{NONCE_SIZE}s{MAC_SIZE}s")
+WELCOME = struct.Struct(f"<8s{NONCE_SIZE}s")
 FRAME = struct.Struct("<II")
 _SEQ = struct.Struct("<Q")
 TO_SERVER = b"c"
@@ -319,14 +321,14 @@ def parse_hello(data: bytes, *, run_id: str) -> bytes:
     return bytes(nonce)
 
 
-def parse_welcome(data: bytes) -> tuple[bytes, bytes]:
-    """The server nonce and server proof of a WELCOME."""
+def parse_welcome(data: bytes) -> bytes:
+    """The server nonce of a WELCOME."""
     if len(data) != WELCOME.size:
         raise ReplicationError(f"truncated welcome ({len(data)} bytes)")
-    magic, nonce, proof = WELCOME.unpack(data)
+    magic, nonce = WELCOME.unpack(data)
     if magic != MAGIC:
         raise ReplicationError("not a gemini transport server (bad magic)")
-    return bytes(nonce), bytes(proof)
+    return bytes(nonce)
 
 
 def _check_secret(secret: bytes) -> None:
@@ -504,9 +506,9 @@ def _connect(address: tuple[str, int], *, secret: bytes, run_id: str, timeout: f
     try:
         client_nonce = secrets.token_bytes(NONCE_SIZE)
         _sendall(sock, HELLO.pack(MAGIC, client_nonce, run_tag(run_id)), timeout)
-        server_nonce, proof = parse_welcome(_recv_exact(sock, WELCOME.size, timeout))
-        # Prove ourselves first so that a server with another secret can say so in its log.
+        server_nonce = parse_welcome(_recv_exact(sock, WELCOME.size, timeout))
         _sendall(sock, _derive(secret, _CLIENT_PROOF, run_id, client_nonce, server_nonce), timeout)
+        proof = _recv_exact(sock, MAC_SIZE, timeout)
         expected = _derive(secret, _SERVER_PROOF, run_id, client_nonce, server_nonce)
         if not hmac.compare_digest(proof, expected):
             raise ReplicationError(f"{peer} failed authentication (another secret or run id)")
@@ -770,8 +772,7 @@ class Server:
         hello = _recv_exact(conn, HELLO.size, left(), boundary=True)
         client_nonce = parse_hello(hello, run_id=self.run_id)
         server_nonce = secrets.token_bytes(NONCE_SIZE)
-        proof = _derive(self._secret, _SERVER_PROOF, self.run_id, client_nonce, server_nonce)
-        _sendall(conn, WELCOME.pack(MAGIC, server_nonce, proof), left())
+        _sendall(conn, WELCOME.pack(MAGIC, server_nonce), left())
         try:
             answer = _recv_exact(conn, MAC_SIZE, left())
         except _Broken as exc:
@@ -780,6 +781,8 @@ class Server:
         expected = _derive(self._secret, _CLIENT_PROOF, self.run_id, client_nonce, server_nonce)
         if not hmac.compare_digest(answer, expected):
             raise ReplicationError("authentication failed: bad client proof (another secret?)")
+        _sendall(conn, _derive(self._secret, _SERVER_PROOF, self.run_id, client_nonce,
+                               server_nonce), left())
         key = _derive(self._secret, _SESSION, self.run_id, client_nonce, server_nonce)
         channel = _Channel(conn, key, outgoing=TO_CLIENT, incoming=TO_SERVER, timeout=self.timeout)
         channel.send({"ok": True, "run_id": self.run_id})
