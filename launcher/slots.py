@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 import uuid
@@ -386,12 +387,19 @@ class SlotServer:
     -> ``{"ok": true, "slots": [name0, name1]}``; ``{"op": "check", ...}`` (can /dev/shm
     hold slots of N bytes?) -> ``{"ok": true}``. An allocation that /dev/shm cannot hold
     is fatal for the run: it is kept in :attr:`fatal` for the supervisor to stop the job.
+
+    The socket's name is visible to every local user (/proc/net/unix): a connection is
+    served only if its peer (SO_PEERCRED) runs as this user and descends from this
+    supervisor, and a request only for a rank this host runs (:attr:`ranks`); anything
+    else gets an error and changes nothing.
     """
 
     def __init__(self, owner: SlotOwner) -> None:
         self.owner = owner
         self.address = f"\0{owner.prefix}{os.getpid()}-{time.monotonic_ns()}"
         self.fatal: StorageError | None = None
+        self.ranks: frozenset[int] | None = None
+        """The global ranks this host runs in the current round (None: any)."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
         self._sock.listen(64)
@@ -416,6 +424,12 @@ class SlotServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn, conn.makefile("rwb") as stream:
+            refused = _foreign_peer(conn)
+            if refused is not None:
+                logger.warning("slot socket: refused a connection: %s", refused)
+                stream.write((json.dumps({"ok": False, "error": refused}) + "\n").encode())
+                stream.flush()
+                return
             for line in stream:
                 try:
                     reply = self._handle(json.loads(line))
@@ -430,6 +444,8 @@ class SlotServer:
     def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request["op"]
         rank = int(request["rank"])
+        if self.ranks is not None and rank not in self.ranks:
+            raise ValueError(f"rank {rank} does not run on this host")
         if op == "alloc":
             nbytes = int(request["nbytes"])
             if nbytes <= 0 or nbytes > 1 << 46:
@@ -484,6 +500,7 @@ class MemoryService:
         if self.replication is not None:
             self.replication.pause()
         ranks = [w.global_rank for w in group.workers]
+        self.server.ranks = frozenset(ranks)
         world_size = group.workers[0].world_size if group.workers else 0
         node, nodes = group.group_rank or 0, group.group_world_size or 1
         report: dict[str, Any] = {
@@ -600,6 +617,24 @@ class MemoryService:
             self.replication.close()
         self.server.close()
         self.owner.close()
+
+
+def _foreign_peer(conn: socket.socket) -> str | None:
+    """Why the process at the other end of ``conn`` may not use the slot socket (another
+    user's, or not one of this supervisor's descendants), or None."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, _ = struct.unpack("3i", creds)
+    if uid != os.geteuid():
+        return f"process {pid} of uid {uid} is not this run's"
+    if pid == os.getpid():
+        return None
+    try:
+        ancestors = {p.pid for p in psutil.Process(pid).parents()}
+    except psutil.Error:
+        return f"process {pid} is gone"
+    if os.getpid() not in ancestors:
+        return f"process {pid} is not one of this supervisor's workers"
+    return None
 
 
 def _size(path: Path) -> int:

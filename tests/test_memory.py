@@ -872,3 +872,44 @@ def test_an_unsafe_file_under_a_slot_name_is_left_alone(tmp_path: Any,
     finally:
         owner.close()
     assert victim.read_bytes() == b"v" * 8192
+
+
+_ALLOC = """
+import json, os, socket, sys
+address = sys.argv[1]
+if sys.argv[2] == "orphan" and os.fork():  # the child is adopted by init: not a worker
+    os._exit(0)
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.connect("\\0" + address[1:])
+sock.sendall(json.dumps({"op": "alloc", "rank": int(sys.argv[3]), "nbytes": 1 << 40}).encode()
+             + b"\\n")
+print(sock.makefile().readline(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("who", ["other-user", "orphan", "wrong-rank"])
+def test_the_slot_socket_serves_only_this_supervisors_workers(supervisor: SlotServer,
+                                                              tmp_path: Any, who: str) -> None:
+    """Another user's process, a process of this user that is not one of the workers,
+    and a worker asking for a rank this host does not run: each is refused, nothing is
+    allocated, and the service never counts as failed."""
+    if who == "other-user" and os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    supervisor.ranks = frozenset({0})
+    cmd = [sys.executable, "-c", _ALLOC, supervisor.env_address,
+           "orphan" if who == "orphan" else "child", "7" if who == "wrong-rank" else "0"]
+    if who == "other-user":
+        cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd]
+    reader, writer = os.pipe()
+    subprocess.run(cmd, stdout=writer, timeout=60, check=True, cwd="/",
+                   env={**os.environ, "PYTHONPATH": ""})
+    os.close(writer)  # the orphan keeps its copy until it has answered
+    with os.fdopen(reader) as replies:
+        reply = json.loads(replies.readline())
+    assert reply["ok"] is False, reply
+    want = {"other-user": "uid 65534", "orphan": "not one of this supervisor's workers",
+            "wrong-rank": "rank 7 does not run on this host"}[who]
+    assert want in reply["error"], reply
+    assert supervisor.fatal is None
+    assert memory.list_segments(supervisor.owner.prefix) == [
+        n for n in memory.list_segments(supervisor.owner.prefix) if n.endswith("owner")]
