@@ -48,7 +48,7 @@ def _byte_size(ctx: click.Context, param: click.Parameter, value: str | None) ->
 
 
 @click.command("plan", short_help="Show the replica placement for N hosts.")
-@click.option("--nodes", type=click.IntRange(1, 100_000), required=True,
+@click.option("--nodes", type=click.IntRange(max=100_000), required=True,
               help="Number of hosts N (at most 100000).")
 @click.option("--replicas", type=int, default=2, show_default=True,
               help="Copies of each host's checkpoint in total, its own included (m).")
