@@ -192,6 +192,19 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def release_shm_dir() -> None:
+    """Remove this user's segment directory if it is empty (the last run on the host
+    ended); a run still using it keeps it."""
+    global _SHM_DIR
+    if _SHM_DIR is None:
+        return
+    try:
+        _SHM_DIR.rmdir()
+    except OSError:  # not empty, or already gone
+        return
+    _SHM_DIR = None
+
+
 def open_segment(name: str, flags: int) -> int:
     """A descriptor of segment ``name`` opened with ``flags``, after checking that it is
     what gemini creates: not a link (O_NOFOLLOW), a regular file owned by this user,
@@ -264,9 +277,16 @@ class Segment:
 
 def create_segment(name: str, size: int) -> Segment:
     """Create (replacing any old file of that name) and pre-fault a segment of ``size``."""
+    global _SHM_DIR
     path = shm_dir() / name
     path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileNotFoundError:  # another run on the host released the directory just now
+        _SHM_DIR = None
+        path = shm_dir() / name
+        fd = os.open(path, flags, 0o600)
     try:
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)  # pre-fault: first-touch pages cost ~7x a warm copy

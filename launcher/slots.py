@@ -163,6 +163,7 @@ class SlotOwner:
                 return
             for name in memory.list_segments(self.prefix):
                 memory.unlink_segment(name)
+        memory.release_shm_dir()
 
     # -- allocation -----------------------------------------------------------------------
     def allocate(self, rank: int, nbytes: int, *, replica: bool = False) -> list[str]:
