@@ -159,15 +159,19 @@ def shm_dir() -> Path:
     skipped: it can delay nothing but the adoption of an earlier run's memory."""
     global _SHM_DIR
     if _SHM_DIR is None:
-        _SHM_DIR = _private_dir(Path(os.environ.get("GEMINI_SHM_DIR", "/dev/shm")))
+        found = _private_dir(Path(os.environ.get("GEMINI_SHM_DIR", "/dev/shm")))
+        assert found is not None  # created
+        _SHM_DIR = found
     return _SHM_DIR
 
 
-def _private_dir(base: Path) -> Path:
+def _private_dir(base: Path, *, create: bool = True) -> Path | None:
     uid = os.geteuid()
     for n in range(64):
         path = base / (f"{PREFIX}{uid}" if n == 0 else f"{PREFIX}{uid}-{n}")
         try:
+            if not create and not os.path.lexists(path):
+                return None
             os.mkdir(path, 0o700)
             os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
         except FileExistsError:
@@ -232,8 +236,12 @@ def open_segment(name: str, flags: int) -> int:
 
 def list_segments(prefix: str = PREFIX) -> list[str]:
     """Names of the segments in the shared-memory directory that start with ``prefix``."""
+    where = _SHM_DIR or _private_dir(Path(os.environ.get("GEMINI_SHM_DIR", "/dev/shm")),
+                                     create=False)
+    if where is None:  # no run has made it: nothing to list (and nothing created)
+        return []
     try:
-        return sorted(p.name for p in shm_dir().iterdir() if p.name.startswith(prefix))
+        return sorted(p.name for p in where.iterdir() if p.name.startswith(prefix))
     except FileNotFoundError:
         return []
 
