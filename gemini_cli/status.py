@@ -24,16 +24,21 @@ def status_command(store_url: str | None, run_id: str | None, as_json: bool,
                    watch_seconds: float | None) -> int:
     """Show what the supervisors of a run report through the coordination store.
 
+    An etcd store that asks for credentials gets those of ``gemini run`` from the same
+    environment variables (GEMINI_STORE_CACERT, GEMINI_STORE_CERT, GEMINI_STORE_KEY,
+    GEMINI_STORE_USER, GEMINI_STORE_PASSWORD_FILE).
+
     Exit code 0; 3 when the store is unreachable; 2 when the run is unknown.
     """
-    from launcher.config import default_store_url
+    from launcher.config import default_store_url, env_values
     from launcher.coordination import list_runs, read_status
     from launcher.errors import UsageError
-    from launcher.store import open_store
+    from launcher.store import EtcdCredentials, open_store
 
     url = store_url or os.environ.get("GEMINI_STORE") or default_store_url(
         os.environ.get("GEMINI_RUN_ROOT", "~/.local/state/gemini/runs"))
-    store = open_store(url)
+    credentials = EtcdCredentials.from_values(env_values(os.environ), prefix="store_")
+    store = open_store(url, credentials=credentials)
     try:
         while True:
             runs = [run_id] if run_id else list_runs(store)[:1]

@@ -654,12 +654,18 @@ def _launch(config: RunConfig, command: Command,
     if not launch_config.run_id:
         launch_config.run_id = str(uuid.uuid4().int)
 
-    from launcher.rendezvous import STORE_TIMEOUT_KEY, register, speed_up_rendezvous
+    from launcher.rendezvous import (
+        STORE_TIMEOUT_KEY,
+        register,
+        set_credentials,
+        speed_up_rendezvous,
+    )
 
     speed_up_rendezvous(single_node=launch_config.max_nodes == 1)
     if launch_config.rdzv_backend == "etcd-v3":
         register()
         launch_config.rdzv_configs.setdefault(STORE_TIMEOUT_KEY, config.store_timeout)
+        set_credentials(launch_config.rdzv_configs, config.store_credentials)
     try:
         spec = _worker_spec(launch_config, entrypoint, tuple(entry_args))
     except (RendezvousError, DistError) as exc:
@@ -681,7 +687,7 @@ def _launch(config: RunConfig, command: Command,
     services: list[SupervisorService] = []  # coordination closes first, the slots last
     try:
         store = open_store(config.store or default_store_url(config.run_root),
-                           outage=config.store_timeout)
+                           outage=config.store_timeout, credentials=config.store_credentials)
         coordination = CoordinationService(store, run_id=launch_config.run_id,
                                            host_id=owner.host_id, owner=owner,
                                            ttl=config.host_ttl)

@@ -24,6 +24,7 @@ import yaml
 
 from launcher.errors import ConfigError
 from launcher.events import check_run_id
+from launcher.store import EtcdCredentials
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
 NumaBinding = Literal["node", "socket", "exclusive", "core-complex"]
@@ -114,6 +115,17 @@ class RunConfig:
     store: str = dataclasses.field(default="", metadata={"gemini": True})
     """Coordination store: ``etcd://HOST:PORT[,HOST:PORT...]`` or ``embedded:///PATH``
     (default: an embedded store, ``store.db`` next to the run root)."""
+    store_cacert: str = dataclasses.field(default="", metadata={"gemini": True})
+    """CA certificate that signed an etcd store's server certificate: talk TLS to it."""
+    store_cert: str = dataclasses.field(default="", metadata={"gemini": True})
+    """Client certificate for an etcd started with ``--client-cert-auth`` (with
+    ``store_key``)."""
+    store_key: str = dataclasses.field(default="", metadata={"gemini": True})
+    """Private key of ``store_cert``."""
+    store_user: str = dataclasses.field(default="", metadata={"gemini": True})
+    """etcd user to authenticate as (etcd with ``auth enable``), with ``store_password_file``."""
+    store_password_file: str = dataclasses.field(default="", metadata={"gemini": True})
+    """File holding ``store_user``'s password (never a flag: command lines are public)."""
     host_ttl: float = dataclasses.field(default=10.0, metadata={"gemini": True})
     """Seconds without a heartbeat after which a host counts as lost."""
     store_timeout: float = dataclasses.field(default=60.0, metadata={"gemini": True})
@@ -198,10 +210,16 @@ class RunConfig:
             if "=" not in item or not item.split("=", 1)[0].strip():
                 raise ConfigError(f"rdzv_conf item {item!r}: expected key=value", field="rdzv_conf")
         check_run_id(self.rdzv_id)
+        _ = self.store_credentials  # raises if its fields do not go together
         if self.module and self.no_python:
             raise ConfigError("--module and --no-python cannot be used together")
         for name in ("start_method", "numa_binding"):
             _check_literal(name, getattr(self, name))
+
+    @property
+    def store_credentials(self) -> EtcdCredentials:
+        """How to authenticate to an etcd store (and to an ``etcd-v3`` rendezvous)."""
+        return EtcdCredentials.from_values(dataclasses.asdict(self), prefix="store_")
 
     @property
     def min_max_nodes(self) -> tuple[int, int]:

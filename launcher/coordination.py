@@ -14,6 +14,9 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
     replicas/<rank>/<host>  JSON: the newest step of ``rank`` that ``host`` keeps a replica of
     events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...);
                             the root keeps the newest STORE_EVENT_LIMIT
+    secret                  the replication secret, unless every host has a --secret-file
+                            (a private key: ``launcher.store.PRIVATE_SEGMENT``); the last
+                            host to leave deletes it
 
 Each supervisor runs :class:`CoordinationService`: it registers under a lease kept alive
 in the background, publishes its ranks' newest committed steps, campaigns for root, and,
@@ -38,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from launcher.errors import StoreError
-from launcher.store import KeepAlive, Lease, Store, Watch
+from launcher.store import PRIVATE_SEGMENT, KeepAlive, Lease, Store, Watch
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
@@ -61,6 +64,10 @@ _PRUNE_EVERY = 50  # events written between two prunes
 
 def run_prefix(run_id: str) -> str:
     return f"{ROOT}{run_id}/"
+
+
+def secret_key(run_id: str) -> str:
+    return run_prefix(run_id) + PRIVATE_SEGMENT
 
 
 class CoordinationService:
@@ -126,9 +133,17 @@ class CoordinationService:
             self._flush()
             self.store.put(self.prefix + f"hosts/{self.host_id}", _dump(self._record))
             self._lease.revoke()
+            self._forget_secret()
         except StoreError as exc:
             logger.warning("could not deregister from the coordination store: %s", exc)
         self.store.close()
+
+    def _forget_secret(self) -> None:
+        """The run's secret lives as long as the run: the last host to leave deletes it
+        (hosts leaving together may both do; a later ``gemini run`` makes a new one)."""
+        alive = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(self.prefix + "alive/")}
+        if not alive - self.lost_hosts() - {self.host_id}:
+            self.store.delete(self.prefix + PRIVATE_SEGMENT)
 
     # -- events -----------------------------------------------------------------------------
     def record_event(self, event: str, fields: dict[str, Any]) -> None:

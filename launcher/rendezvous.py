@@ -32,7 +32,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from launcher.errors import StoreError, StoreUncertainError
-from launcher.store import Store, open_store
+from launcher.store import EtcdCredentials, Store, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +151,15 @@ KEEP_ALIVE = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 STORE_TIMEOUT_KEY = "store_timeout"
 
 
+def set_credentials(configs: dict[str, Any], credentials: EtcdCredentials) -> None:
+    """Put ``credentials`` into a rendezvous configuration where ``--rdzv-conf`` did not.
+    Their ``--rdzv-conf`` keys are the field names of :class:`EtcdCredentials`
+    (``cacert``, ``cert`` and ``key`` are also those of torch's etcd backend)."""
+    for name, value in dataclasses.asdict(credentials).items():
+        if value:
+            configs.setdefault(name, value)
+
+
 def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's dynamic rendezvous with its state and store in etcd v3 at ``params.endpoint``."""
     if not params.endpoint:
@@ -158,7 +167,10 @@ def create_etcd_v3_handler(params: RendezvousParameters) -> RendezvousHandler:
     for key, value in KEEP_ALIVE.items():  # --rdzv-conf overrides these
         params.config.setdefault(key, value)
     outage = float(params.config.pop(STORE_TIMEOUT_KEY, 0) or 0)
-    store = open_store(f"etcd://{params.endpoint}", outage=outage)
+    credentials = EtcdCredentials.from_values(params.config)
+    for name in dataclasses.asdict(credentials):
+        params.config.pop(name, None)
+    store = open_store(f"etcd://{params.endpoint}", outage=outage, credentials=credentials)
     backend = StoreRendezvousBackend(store, params.run_id)
     # c10d's --rdzv-conf key for its store's timeout, here too
     timeout = datetime.timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)

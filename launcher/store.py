@@ -22,6 +22,7 @@ Keys are ``str`` (compared and matched by prefix as UTF-8 bytes), values are ``b
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import math
@@ -29,10 +30,11 @@ import os
 import queue
 import random
 import sqlite3
+import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -47,6 +49,65 @@ WatchCallback = Callable[[str, bytes | None], None]
 
 #: The forms :func:`open_store` accepts, for error messages and help texts.
 STORE_URL_FORMS = "etcd://HOST:PORT[,HOST:PORT...], embedded:///PATH/TO/FILE.db or embedded://"
+
+#: Keys whose last segment is this hold credentials (the run's replication secret): the
+#: embedded store keeps their values out of its change log (watchers of such a key see
+#: an empty value) and overwrites deleted bytes in its file.
+PRIVATE_SEGMENT = "secret"
+
+MAX_CREDENTIAL_FILE = 1 << 20  # bytes: a certificate, key or password file
+
+
+@dataclass(frozen=True)
+class EtcdCredentials:
+    """How to prove who we are to an etcd that asks: TLS (``cacert`` verifies the server
+    and turns TLS on; ``cert`` and ``key`` are a client certificate for etcd's
+    ``--client-cert-auth``) and etcd's own users (``user`` with the password in
+    ``password_file``; a password never goes on a command line). Empty fields are unused."""
+
+    cacert: str = ""
+    cert: str = ""
+    key: str = ""
+    user: str = ""
+    password_file: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert) != bool(self.key):
+            raise ConfigError("an etcd client certificate needs both --store-cert and "
+                              "--store-key")
+        if (self.cert or self.key) and not self.cacert:
+            raise ConfigError("an etcd client certificate needs --store-cacert (TLS)")
+        if bool(self.user) != bool(self.password_file):
+            raise ConfigError("etcd user authentication needs both --store-user and "
+                              "--store-password-file")
+
+    @property
+    def secure(self) -> bool:
+        return bool(self.cacert)
+
+    def read(self, path: str, what: str) -> bytes:
+        """The bytes of one credential file (bounded), or a ConfigError naming it."""
+        try:
+            with open(os.path.expanduser(path), "rb") as fh:
+                data = fh.read(MAX_CREDENTIAL_FILE + 1)
+        except OSError as exc:
+            raise ConfigError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+        if not data or len(data) > MAX_CREDENTIAL_FILE:
+            raise ConfigError(f"the {what} {path} is empty or larger than "
+                              f"{MAX_CREDENTIAL_FILE} bytes")
+        return data
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any], prefix: str = "") -> EtcdCredentials:
+        """The credentials in ``values`` under ``prefix + field name`` (missing: unused)."""
+        return cls(**{f.name: str(values.get(prefix + f.name) or "") for f in fields(cls)})
+
+    def password(self) -> str:
+        text = self.read(self.password_file, "etcd password file")
+        try:
+            return text.decode().rstrip("\r\n")
+        except UnicodeDecodeError:
+            raise ConfigError(f"the etcd password file {self.password_file} is not UTF-8") from None
 
 
 # -- the protocol --------------------------------------------------------------------------
@@ -384,8 +445,21 @@ def _parse_endpoint(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+@functools.cache
 def _grpc() -> Any:
-    return importlib.import_module("grpc")
+    # gRPC's C core prints its own view of every failed connection (a refused TLS
+    # handshake: four lines) to stderr; gemini reports the failure itself, in one line.
+    # It reads the variable once; the workers' environment stays as it was.
+    quiet = "GRPC_VERBOSITY" not in os.environ
+    if quiet:
+        os.environ["GRPC_VERBOSITY"] = "NONE"
+    try:
+        grpc = importlib.import_module("grpc")
+        grpc.insecure_channel("127.0.0.1:1").close()  # initialises the core
+    finally:
+        if quiet:
+            del os.environ["GRPC_VERBOSITY"]
+    return grpc
 
 
 class _StoreBase:
@@ -439,11 +513,13 @@ class EtcdStore(_StoreBase):
     is not retried (it may have been applied): it raises
     :class:`~launcher.errors.StoreUncertainError` for the caller to read back. Opening the
     store checks that it answers, without waiting. Lease ttls are rounded up to whole
-    seconds.
+    seconds. ``credentials`` say how to authenticate to an etcd that asks (TLS, client
+    certificates, users); a user's token is renewed when etcd stops accepting it.
     """
 
     def __init__(self, endpoints: Sequence[str], *, timeout: float = 5.0,
-                 outage: float = 0.0) -> None:
+                 outage: float = 0.0, credentials: EtcdCredentials | None = None) -> None:
+        self._grpc = _grpc()  # first: pyetcd imports gRPC
         import pyetcd
 
         if not endpoints:
@@ -457,15 +533,18 @@ class EtcdStore(_StoreBase):
         self.timeout = timeout
         self.outage = outage
         self._outage = _outage_of(self.endpoints)
-        self._grpc = _grpc()
         self._exceptions = importlib.import_module("pyetcd.exceptions")
+        credentials = credentials or EtcdCredentials()
+        tls = self._channel_credentials(credentials) if credentials.secure else None
+        self._user = (credentials.user, credentials.password()) if credentials.user else None
         # One single-endpoint client per member. time_retry=0: pyetcd would otherwise
         # refuse to use an endpoint for 300 s after one failed call, so a client could
-        # not reconnect after an etcd restart.
+        # not reconnect after an etcd restart. Users authenticate on a client's first call
+        # (through the outage handling here, unlike pyetcd's own, in its constructor).
         self._clients: list[Any] = [
             pyetcd.MultiEndpointEtcd3Client(
-                endpoints=[pyetcd.Endpoint(host, port, secure=False, time_retry=0,
-                                           opts=_GRPC_OPTIONS)],
+                endpoints=[pyetcd.Endpoint(host, port, secure=tls is not None, creds=tls,
+                                           time_retry=0, opts=_GRPC_OPTIONS)],
                 timeout=timeout)
             for host, port in members]
         self._current = 0
@@ -482,6 +561,30 @@ class EtcdStore(_StoreBase):
 
     def __repr__(self) -> str:
         return f"EtcdStore({','.join(self.endpoints)})"
+
+    def _channel_credentials(self, credentials: EtcdCredentials) -> Any:
+        def read(path: str, what: str) -> bytes | None:
+            return credentials.read(path, what) if path else None
+
+        return self._grpc.ssl_channel_credentials(
+            root_certificates=read(credentials.cacert, "etcd CA certificate"),
+            private_key=read(credentials.key, "etcd client key"),
+            certificate_chain=read(credentials.cert, "etcd client certificate"))
+
+    def _authenticate(self, client: Any) -> None:
+        """Get a token for the configured user and send it with the client's calls (and
+        its watches'). A plain-text channel carries it as metadata: gRPC call credentials
+        would need TLS."""
+        from pyetcd.etcdrpc import AuthenticateRequest
+
+        assert self._user is not None
+        name, password = self._user
+        response = client.authstub.Authenticate(
+            AuthenticateRequest(name=name, password=password), self.timeout)
+        client.metadata = (("token", response.token),)
+        watcher = client._stubs.get("watcher")
+        if watcher is not None:  # pyetcd's watcher copied the old metadata
+            watcher._metadata = client.metadata
 
     # -- the edge: every pyetcd call goes through here -------------------------------------
     def _call(self, what: str, fn: Callable[[Any], _T], *, retry_timeout: bool = True,
@@ -526,8 +629,17 @@ class EtcdStore(_StoreBase):
         cause: BaseException | None = None
         for i in range(len(self._clients)):
             index = (first + i) % len(self._clients)
+            client = self._clients[index]
             try:
-                result = fn(self._clients[index])
+                if self._user is not None and client.metadata is None:
+                    self._authenticate(client)
+                try:
+                    result = fn(client)
+                except grpc.RpcError as exc:
+                    if self._user is None or not _token_refused(exc):
+                        raise
+                    self._authenticate(client)  # the token expired, or etcd restarted
+                    result = fn(client)
             except (exceptions.Etcd3Exception, grpc.RpcError) as exc:
                 code = _grpc_code(exc)
                 timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -622,9 +734,17 @@ class EtcdStore(_StoreBase):
                    deliver: Callable[[Any], None]) -> tuple[Any, int]:
         """Start a pyetcd watch; returns (client, watch id) for cancelling it."""
         start, end = self._range(prefix)
-        return self._call("watch", lambda c: (c, c.add_watch_callback(
-            start, deliver, range_end=end, start_revision=start_revision)),
-            patient=False)  # a broken watch resumes itself, and must cancel promptly
+
+        def subscribe(c: Any) -> tuple[Any, int]:
+            if self._user is not None:
+                # etcd checks the token a watch stream starts with, and cancels its watches
+                # in silence (for pyetcd) if it forgot it: start each with a fresh one.
+                self._authenticate(c)
+            return c, c.add_watch_callback(start, deliver, range_end=end,
+                                           start_revision=start_revision)
+
+        # patient=False: a broken watch resumes itself, and must cancel promptly
+        return self._call("watch", subscribe, patient=False)
 
     # -- election --------------------------------------------------------------------------
     def campaign(self, election: str, candidate: str, lease: Lease) -> bool:
@@ -669,6 +789,17 @@ def _grpc_code(exc: BaseException) -> Any:
         if callable(code):
             return code()
     return None
+
+
+def _token_refused(exc: BaseException) -> bool:
+    """Whether etcd refused a user's token (expired, lost in a restart, or issued before
+    a change of its users): a new one is needed."""
+    grpc = _grpc()
+    code = _grpc_code(exc)
+    details = getattr(exc, "details", None)
+    return code == grpc.StatusCode.UNAUTHENTICATED or (
+        code == grpc.StatusCode.INVALID_ARGUMENT and callable(details)
+        and "auth store is old" in str(details()))
 
 
 def _describe(exc: BaseException) -> str:
@@ -790,6 +921,8 @@ _SCHEMA = (
 #: A key is visible if it has no lease or its lease has not expired (parameter: now).
 _VISIBLE = "(lease IS NULL OR lease IN (SELECT id FROM leases WHERE expires > ?))"
 
+_PRIVATE = PRIVATE_SEGMENT.encode()
+
 #: Seconds the change log keeps events for watchers (a watcher polls every 50 ms).
 EVENT_RETENTION = 600.0
 _TRIM_EVERY = 30.0
@@ -822,10 +955,19 @@ class EmbeddedStore(_StoreBase):
         self._last_trim = 0.0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                         0o600)
+            try:
+                info = os.fstat(fd)
+            finally:
+                os.close(fd)
+            if info.st_uid != os.geteuid() or not stat.S_ISREG(info.st_mode):
+                raise StoreError(f"cannot open the embedded store {self.path}: not a regular "
+                                 "file of this user (it holds the run's secret)")
             self._db: sqlite3.Connection = self._connect()
         except (OSError, sqlite3.Error) as exc:
-            raise StoreError(f"cannot open the embedded store {self.path}: {exc}") from exc
+            raise StoreError(f"cannot open the embedded store {self.path}: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from exc
         try:
             self._write("open", self._create_schema, maintain=False)
         except StoreError:
@@ -859,6 +1001,7 @@ class EmbeddedStore(_StoreBase):
                 logger.warning("%s is not in WAL mode (%s): readers will wait for writers",
                                self.path, mode)
             db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA secure_delete=ON")  # a deleted secret leaves no bytes behind
         except sqlite3.Error:
             db.close()
             raise
@@ -907,7 +1050,10 @@ class EmbeddedStore(_StoreBase):
 
     @staticmethod
     def _record(db: sqlite3.Connection, key: bytes, value: bytes | None, now: float) -> int:
-        """Take the next revision and log the change under it."""
+        """Take the next revision and log the change under it (a private key's value
+        stays out of the log)."""
+        if value is not None and key.rsplit(b"/", 1)[-1] == _PRIVATE:
+            value = b""
         db.execute("UPDATE meta SET value = value + 1 WHERE name = 'revision'")
         (revision,) = db.execute("SELECT value FROM meta WHERE name = 'revision'").fetchone()
         db.execute("INSERT INTO events (revision, key, value, time) VALUES (?, ?, ?, ?)",
@@ -1126,11 +1272,13 @@ class _EmbeddedWatch:
 
 # -- opening a store by URL ----------------------------------------------------------------
 def open_store(url: str, *, timeout: float = 5.0, outage: float = 0.0,
-               default_path: str | os.PathLike[str] | None = None) -> Store:
+               default_path: str | os.PathLike[str] | None = None,
+               credentials: EtcdCredentials | None = None) -> Store:
     """The store a URL names.
 
     ``etcd://HOST:PORT[,HOST:PORT...]``: an :class:`EtcdStore` on those endpoints (checked
-    to answer within ``timeout``, riding out outages of up to ``outage`` seconds);
+    to answer within ``timeout``, riding out outages of up to ``outage`` seconds,
+    authenticating with ``credentials``);
     ``embedded:///PATH/TO/FILE.db``: an
     :class:`EmbeddedStore` in that file; ``embedded://``: one in ``default_path``.
     """
@@ -1139,7 +1287,7 @@ def open_store(url: str, *, timeout: float = 5.0, outage: float = 0.0,
         endpoints = [e for e in rest.split(",") if e.strip()]
         if not endpoints:
             raise ConfigError(f"store URL {url!r} names no etcd endpoint (etcd://HOST:PORT)")
-        return EtcdStore(endpoints, timeout=timeout, outage=outage)
+        return EtcdStore(endpoints, timeout=timeout, outage=outage, credentials=credentials)
     if sep and scheme == "embedded":
         if not rest:
             if default_path is None:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import time
@@ -24,6 +25,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import pytest
 from helpers import free_port
@@ -42,20 +44,82 @@ def require_etcd() -> str:
     pytest.skip(reason)
 
 
-class EtcdServer:
+class _Started:
+    """``with``: started on entry (closed again if starting fails), closed on exit."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _S) -> _S:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+
+_S = TypeVar("_S", bound=_Started)
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+class TLSFiles:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate (CN ``client``),
+    made with the ``openssl`` command in ``directory``."""
+
+    def __init__(self, directory: Path) -> None:
+        if shutil.which("openssl") is None:
+            reason = "no openssl command (apt-get install openssl)"
+            if os.environ.get("CI") == "true":
+                pytest.fail(f"{reason}; CI=true, so TLS tests must run", pytrace=False)
+            pytest.skip(reason)
+        self.ca, self.ca_key = directory / "ca.crt", directory / "ca.key"
+        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+                 "-subj", "/CN=gemini-test-ca", "-keyout", str(self.ca_key), "-out", str(self.ca))
+        self.server, self.server_key = self._issue(directory, "server", "IP:127.0.0.1")
+        self.client, self.client_key = self._issue(directory, "client", "DNS:client")
+
+    def _issue(self, directory: Path, name: str, san: str) -> tuple[Path, Path]:
+        cert, key, request = (directory / f"{name}.crt", directory / f"{name}.key",
+                              directory / f"{name}.csr")
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                 "-keyout", str(key), "-out", str(request))
+        extensions = directory / f"{name}.ext"
+        extensions.write_text(f"subjectAltName={san}\n"
+                              "extendedKeyUsage=serverAuth,clientAuth\n")
+        _openssl("x509", "-req", "-in", str(request), "-CA", str(self.ca), "-CAkey",
+                 str(self.ca_key), "-CAcreateserial", "-days", "2", "-out", str(cert),
+                 "-extfile", str(extensions))
+        return cert, key
+
+
+class EtcdServer(_Started):
     """One etcd member serving ``http://127.0.0.1:<client_port>``.
 
     The ports and the data dir are chosen once, so :meth:`stop` then :meth:`start` brings
     the same member back with its data (keys, leases, revisions). Elections are tuned
     fast (10 ms heartbeat, 100 ms election timeout), which also lets etcd grant leases as
     short as 1 s (its minimum is 1.5 election timeouts, rounded up to whole seconds).
+    With ``tls``, clients talk TLS and must show a certificate the member's CA signed
+    (``--client-cert-auth``); :attr:`tls` holds the files.
     """
 
     def __init__(self, *, heartbeat_ms: int = 10, election_ms: int = 100,
-                 cluster: EtcdCluster | None = None) -> None:
+                 cluster: EtcdCluster | None = None, tls: bool = False) -> None:
         self.cluster = cluster
         self.binary = require_etcd()
         self.tmp = Path(tempfile.mkdtemp(prefix="gemini-etcd-"))
+        self.tls = TLSFiles(self.tmp) if tls else None
         self.data_dir = self.tmp / "data"
         self.log_path = self.tmp / "etcd.log"
         self.name = f"gemini-test-{uuid.uuid4().hex[:12]}"
@@ -81,16 +145,47 @@ class EtcdServer:
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    @property
+    def client_url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://{self.endpoint}"
+
     def command(self) -> list[str]:
-        client = f"http://{self.endpoint}"
+        client = self.client_url
         peer = f"http://127.0.0.1:{self.peer_port}"
+        tls = [] if self.tls is None else [
+            "--cert-file", str(self.tls.server), "--key-file", str(self.tls.server_key),
+            "--client-cert-auth", "--trusted-ca-file", str(self.tls.ca)]
         return [self.binary, "--name", self.name, "--data-dir", str(self.data_dir),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", self.cluster.initial if self.cluster else f"{self.name}={peer}",
                 "--initial-cluster-state", "new",
                 "--heartbeat-interval", str(self.heartbeat_ms),
-                "--election-timeout", str(self.election_ms)]
+                "--election-timeout", str(self.election_ms), *tls]
+
+    def etcdctl(self, *args: str) -> str:
+        """Run ``etcdctl`` against this member (with the client certificate under TLS)."""
+        tls = [] if self.tls is None else [
+            f"--cacert={self.tls.ca}", f"--cert={self.tls.client}", f"--key={self.tls.client_key}"]
+        done = subprocess.run(["etcdctl", f"--endpoints={self.client_url}", *tls, *args],
+                              capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "ETCDCTL_API": "3"})
+        if done.returncode != 0:
+            raise RuntimeError(f"etcdctl {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout
+
+    def enable_auth(self, password: str) -> None:
+        """Turn on etcd's user authentication with one user, ``root``."""
+        self.etcdctl("user", "add", f"root:{password}")
+        self.etcdctl("auth", "enable")
+
+    def _open(self, request: urllib.request.Request | str, timeout: float) -> bytes:
+        context = None
+        if self.tls is not None:
+            context = ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(self.tls.client), str(self.tls.client_key))
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as reply:
+            return bytes(reply.read())
 
     @property
     def peer_url(self) -> str:
@@ -111,11 +206,10 @@ class EtcdServer:
 
     def is_leader(self) -> bool:
         """Whether this member leads its cluster (etcd's v3 status API)."""
-        request = urllib.request.Request(f"http://{self.endpoint}/v3/maintenance/status",
+        request = urllib.request.Request(f"{self.client_url}/v3/maintenance/status",
                                          data=b"{}", method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=1) as reply:
-                status = json.loads(reply.read())
+            status = json.loads(self._open(request, 1))
         except (OSError, urllib.error.URLError, ValueError):
             return False
         return str(status.get("leader")) == str(status.get("header", {}).get("member_id"))
@@ -140,8 +234,7 @@ class EtcdServer:
     def healthy(self) -> bool:
         """Whether etcd answers ``/health`` with a leader."""
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=0.5) as reply:
-                return b'"true"' in reply.read()
+            return b'"true"' in self._open(f"{self.client_url}/health", 0.5)
         except (OSError, urllib.error.URLError):
             return False
 
@@ -171,20 +264,8 @@ class EtcdServer:
         except OSError:
             return "(no log)"
 
-    def __enter__(self) -> EtcdServer:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()
-
-
-class EtcdCluster:
+class EtcdCluster(_Started):
     """``size`` etcd members forming one cluster on loopback ports.
 
     ``url`` names every member (``etcd://a,b,c``); each member can be stopped, frozen and
@@ -226,15 +307,3 @@ class EtcdCluster:
     def close(self) -> None:
         for member in self.members:
             member.close()
-
-    def __enter__(self) -> EtcdCluster:
-        try:
-            self.start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.close()

@@ -307,3 +307,73 @@ def test_the_store_does_not_grow_with_restarts(tmp_path: Path) -> None:
     rounds = {k[len(kv):].partition("/")[0] for k in keys if k.startswith(kv)}
     assert len(rounds) <= 2, sorted(rounds)
     assert len(keys) < 120, len(keys)  # 154 before pruning, growing by ~20 a restart
+
+
+def test_the_replication_secret_lives_as_long_as_the_run(tmp_path: Path) -> None:
+    """The first host to ask makes the secret; it stays while any host of the run is
+    alive, and the last one to leave deletes it."""
+    from launcher.coordination import CoordinationService, secret_key
+    from launcher.replication.service import load_secret
+    from launcher.slots import SlotOwner
+    from launcher.store import open_store
+
+    url = f"embedded://{tmp_path / 'store.db'}"
+    run_id = f"secret-{tmp_path.name}"
+    hosts = []
+    for name in ("h0", "h1"):
+        store = open_store(url)
+        owner = SlotOwner(run_id=run_id, host_id=name, local_world_size=1)
+        hosts.append((CoordinationService(store, run_id=run_id, host_id=name, owner=owner,
+                                          ttl=2.0), owner, store))
+    first, second = (load_secret("", store, run_id) for _, _, store in hosts)
+    assert first == second and len(first) == 64
+    reader = open_store(url)
+    try:
+        for service, owner, _ in hosts:
+            assert reader.get(secret_key(run_id)) == first  # a host is still alive
+            service.close()
+            owner.close()
+        assert reader.get(secret_key(run_id)) is None
+    finally:
+        reader.close()
+
+
+@pytest.mark.etcd
+def test_a_run_on_an_etcd_that_asks_for_client_certificates(tmp_path: Path) -> None:
+    """Store and etcd-v3 rendezvous on an etcd started with --client-cert-auth: two hosts
+    train with the certificate from GEMINI_STORE_* variables, `gemini status` reads the
+    run with the same, and nothing of the run's secret is left at its end; without the
+    certificate `gemini run` stops with one line and exit code 3."""
+    from launcher.coordination import secret_key
+    from launcher.store import EtcdCredentials, open_store
+
+    with EtcdServer(tls=True) as etcd:
+        assert etcd.tls is not None
+        credentials = {"GEMINI_STORE_CACERT": str(etcd.tls.ca),
+                       "GEMINI_STORE_CERT": str(etcd.tls.client),
+                       "GEMINI_STORE_KEY": str(etcd.tls.client_key)}
+        command = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                   "--rdzv-id", "tls", "--store", etcd.url,
+                   str(SCRIPTS / "train_ckpt.py"), "--steps", "20", "--sleep", "0.05"]
+        procs = [start(command, env=env_with(tmp_path, GEMINI_HOST_ID=name, **credentials))
+                 for name in ("h0", "h1")]
+        outputs = [proc.communicate(timeout=180)[0] for proc in procs]
+        for proc, output in zip(procs, outputs, strict=True):
+            assert proc.returncode == 0, output[-3000:]
+        assert "step 19 " in outputs[0] + outputs[1]  # rank 0 prints the steps
+        done = run([*GEMINI, "status", "--json", "--store", etcd.url, "--run-id", "tls"],
+                   env=env_with(tmp_path, **credentials), timeout=60)
+        assert done.returncode == 0, done.output
+        assert {h["status"] for h in json.loads(done.stdout)["hosts"]} == {"exited"}
+        store = open_store(etcd.url, credentials=EtcdCredentials(
+            cacert=str(etcd.tls.ca), cert=str(etcd.tls.client), key=str(etcd.tls.client_key)))
+        try:
+            assert store.get(secret_key("tls")) is None
+        finally:
+            store.close()
+
+        refused = run([*GEMINI, "run", "--store", etcd.url, "--store-cacert", str(etcd.tls.ca),
+                       str(SCRIPTS / "idle.py"), "1"], env=env_with(tmp_path), timeout=60)
+        assert refused.returncode == 3, refused.output
+        assert refused.stderr.count("\n") == 1 and "gemini: error:" in refused.stderr

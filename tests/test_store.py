@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -27,7 +28,15 @@ from etcd_server import EtcdServer
 from helpers import REPO, free_port, kill_group, run, start
 
 from launcher.errors import ConfigError, StoreError, StoreUnavailableError
-from launcher.store import EmbeddedStore, EtcdStore, Store, open_store, watch_outages
+from launcher.store import (
+    PRIVATE_SEGMENT,
+    EmbeddedStore,
+    EtcdCredentials,
+    EtcdStore,
+    Store,
+    open_store,
+    watch_outages,
+)
 
 TTL = 1.0
 """Lease ttl of the suite: etcd grants 1 s because EtcdServer tunes its election timeout."""
@@ -636,3 +645,93 @@ def test_embedded_store_opened_by_many_processes_at_once(tmp_path: Path) -> None
         for proc in procs:
             proc.join(timeout=60)
         assert [p.exitcode for p in procs] == [0] * 6
+
+
+# -- credentials ---------------------------------------------------------------------------
+@pytest.mark.etcd
+def test_etcd_with_client_certificates(tmp_path: Path, ns: str) -> None:
+    """An etcd started with --client-cert-auth: the client certificate opens it (keys,
+    leases, watches); without one, or without TLS, one clear StoreError, promptly."""
+    with EtcdServer(tls=True) as server:
+        assert server.tls is not None
+        tls = EtcdCredentials(cacert=str(server.tls.ca), cert=str(server.tls.client),
+                              key=str(server.tls.client_key))
+        store = open_store(server.url, timeout=2.0, credentials=tls)
+        try:
+            seen = Recorder()
+            watch = store.watch_prefix(ns, seen)
+            lease = store.grant_lease(TTL)
+            store.put(ns + "k", b"v", lease=lease)
+            assert store.get(ns + "k") == b"v"
+            assert seen.wait_for(1) == [(ns + "k", b"v")]
+            watch.cancel()
+        finally:
+            store.close()
+        for credentials in (None, EtcdCredentials(cacert=str(server.tls.ca))):
+            began = time.monotonic()
+            with pytest.raises(StoreError) as refused:
+                open_store(server.url, timeout=1.0, credentials=credentials)
+            assert time.monotonic() - began < 15
+            assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="both --store-cert and --store-key"):
+        EtcdCredentials(cacert="ca", cert="c")
+    with pytest.raises(ConfigError, match="cannot read the etcd CA certificate"):
+        open_store("etcd://127.0.0.1:1", credentials=EtcdCredentials(cacert=str(tmp_path / "x")))
+
+
+@pytest.mark.etcd
+def test_etcd_with_user_authentication(tmp_path: Path, ns: str) -> None:
+    """etcd with `auth enable`: a user and a password file open it, and the client gets a
+    new token when etcd forgot the old one in a restart; a wrong password is one clear
+    error, and a client without credentials is refused."""
+    password = tmp_path / "password"
+    password.write_text("s3cret-pass\n")
+    with EtcdServer() as server:
+        server.enable_auth("s3cret-pass")
+        user = EtcdCredentials(user="root", password_file=str(password))
+        store = open_store(server.url, timeout=2.0, outage=30.0, credentials=user)
+        try:
+            seen = Recorder()
+            store.watch_prefix(ns, seen)
+            store.put(ns + "a", b"1")
+            assert seen.wait_for(1) == [(ns + "a", b"1")]
+            server.stop()
+            server.start()  # simple tokens live in etcd's memory only
+            store.put(ns + "b", b"2")
+            assert store.get(ns + "b") == b"2"
+            assert seen.wait_for(2, timeout=15) == [(ns + "a", b"1"), (ns + "b", b"2")]
+        finally:
+            store.close()
+        password.write_text("wrong\n")
+        with pytest.raises(StoreError, match="authentication failed") as wrong:
+            open_store(server.url, timeout=2.0, credentials=user)
+        assert "\n" not in str(wrong.value)
+        with pytest.raises(StoreError, match="user name is empty"):
+            open_store(server.url, timeout=2.0)
+
+
+def test_embedded_store_keeps_private_values_out_of_its_change_log(tmp_path: Path) -> None:
+    """A secret under a private key is in the key table only; once deleted, its bytes are
+    nowhere in the store's files. The store refuses a file of another kind or a symlink."""
+    path = tmp_path / "store.db"
+    store = open_store(f"embedded://{path}")
+    secret, public = uuid.uuid4().hex.encode(), uuid.uuid4().hex.encode()
+    seen = Recorder()
+    store.watch_prefix("run/", seen)
+    store.compare_and_set(f"run/{PRIVATE_SEGMENT}", None, secret)
+    store.put("run/public", public)
+    assert store.get(f"run/{PRIVATE_SEGMENT}") == secret
+    assert seen.wait_for(2) == [(f"run/{PRIVATE_SEGMENT}", b""), ("run/public", public)]
+    db = sqlite3.connect(path)
+    logged = [bytes(v) for (v,) in db.execute("SELECT value FROM events")]
+    db.close()
+    assert logged == [b"", public]
+    store.delete(f"run/{PRIVATE_SEGMENT}")
+    store.close()
+    assert [p.name for p in tmp_path.iterdir() if public in p.read_bytes()] == ["store.db"]
+    assert [p.name for p in tmp_path.iterdir() if secret in p.read_bytes()] == []
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    link = tmp_path / "link.db"
+    link.symlink_to(path)
+    with pytest.raises(StoreError, match="cannot open the embedded store"):
+        open_store(f"embedded://{link}")

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from launcher import memory
+from launcher.coordination import secret_key
 from launcher.errors import ConfigError, GeminiError, ReplicationError, StoreError
 from launcher.events import EventLog
 from launcher.priority import IdleGate, lower_priority
@@ -79,7 +80,7 @@ def load_secret(secret_file: str, store: Store, run_id: str) -> bytes:
         if len(secret) < 16:
             raise ConfigError(f"secret file {secret_file}: need at least 16 bytes of secret")
         return secret
-    key = f"gemini/runs/{run_id}/secret"
+    key = secret_key(run_id)
     try:
         store.compare_and_set(key, None, secrets.token_hex(32).encode())
         value = store.get(key)
