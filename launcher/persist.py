@@ -46,7 +46,7 @@ from typing import Any
 import xxhash
 
 from launcher import memory
-from launcher.errors import CheckpointError, StorageError, UsageError
+from launcher.errors import CheckpointError, ConfigError, StorageError, UsageError
 from launcher.priority import IdleGate, lower_priority
 
 logger = logging.getLogger(__name__)
@@ -637,10 +637,21 @@ class PersistWriter:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the background thread (idempotent; a closed writer stays closed)."""
+        """Check that the run's directory can be written (a ConfigError naming it if not:
+        better now than at the first persist, hours in), then start the background thread
+        (idempotent; a closed writer stays closed)."""
         with self._lock:
             if self._thread is not None or self._stop.is_set():
                 return
+            where = run_dir(self.directory, self.run_id)
+            try:
+                where.mkdir(parents=True, exist_ok=True)
+                probe = where / f".probe-{self._token}"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as exc:
+                raise ConfigError(f"--persist-dir {self.directory}: cannot write {where}: "
+                                  f"{exc.strerror or exc}") from None
             self._thread = threading.Thread(target=self._loop, name="gemini-persist",
                                             daemon=True)
             self._thread.start()

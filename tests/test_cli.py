@@ -72,6 +72,28 @@ def test_unreadable_config_file(tmp_path: Path) -> None:
     assert done.returncode == 2 and "cannot read config file" in done.stderr
 
 
+def test_unwritable_persist_dir(tmp_path: Path) -> None:
+    """A --persist-dir that cannot be written: one line and exit 2 before any worker
+    starts, not a failure at the first persist. (A file in its path stands for every
+    cause; an immutable directory also refuses root, where the file system allows one.)"""
+    (tmp_path / "file").write_text("")
+    places = [tmp_path / "file" / "persist"]
+    frozen = tmp_path / "frozen"
+    frozen.mkdir()
+    if subprocess.run(["chattr", "+i", str(frozen)], capture_output=True).returncode == 0:
+        places.append(frozen)
+    try:
+        for place in places:
+            done = run([*GEMINI, "run", "--persist-dir", str(place), str(SCRIPTS / "idle.py"),
+                        "1"], env=env_with(tmp_path), timeout=60)
+            assert done.returncode == 2, done.output
+            assert done.stderr.count("\n") == 1, done.stderr
+            assert f"--persist-dir {place}: cannot write" in done.stderr
+            assert "tick" not in done.stdout
+    finally:
+        subprocess.run(["chattr", "-i", str(frozen)], capture_output=True)
+
+
 def test_env_config_error(tmp_path: Path) -> None:
     done = run([*GEMINI, "run", str(SCRIPTS / "env_probe.py")],
                env=env_with(tmp_path, GEMINI_NPROC_PER_NODE="zero"), timeout=60)

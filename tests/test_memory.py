@@ -699,6 +699,22 @@ def test_inspect_command_reports_and_verifies(supervisor: SlotServer) -> None:
     slots = {s["step"]: s for s in report["slots"]}
     assert set(slots) == {0, 1} and all(s["verified"] for s in slots.values())
     assert "/model/0.weight" in [t["path"] for t in slots[1]["tensors"]]
+    # An empty file and a directory under slot names: each reported, none hides the rest.
+    empty = memory.shm_dir() / memory.slot_name(supervisor.owner.prefix, 7, 0)
+    folder = memory.shm_dir() / memory.slot_name(supervisor.owner.prefix, 7, 1)
+    empty.touch(mode=0o600)
+    folder.mkdir()
+    try:
+        done = run([*GEMINI, "inspect", "--run-id", run_id, "--json"])
+        report = json.loads(done.stdout)
+        assert done.returncode == 0, done.output
+        bad = [s for s in report["slots"] if s["rank"] == 7]
+        assert [s["slot"] for s in bad] == [0, 1] and all(s["error"] for s in bad)
+        assert {s["step"] for s in report["slots"] if s["rank"] != 7} == {0, 1}
+        assert run([*GEMINI, "inspect", "--run-id", run_id]).returncode == 0
+    finally:
+        empty.unlink()
+        folder.rmdir()
     newest = memory.attach_segment(slots[1]["segment"])
     newest.view[memory.HEADER_SIZE + 3] ^= 0x40
     newest.close()
