@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,12 @@ from launcher import memory
 from launcher.slots import find_leftovers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+if os.environ.get("CI") == "true":  # CI replays the same examples; elsewhere they vary
+    from hypothesis import settings
+
+    settings.register_profile("ci", derandomize=True, database=None)
+    settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,190 @@
+"""Property-based fuzzing (hypothesis) of what a hostile peer controls: the transport's
+frame parser, its request and reply validation, and the handshake of a live server.
+
+The property everywhere: any input either parses into something within the protocol's
+bounds or raises ReplicationError; nothing else escapes, and a live server keeps serving
+real peers whatever strangers sent it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_transport import SECRET, fill, slot_bytes
+
+from launcher.errors import ReplicationError
+from launcher.replication import transport
+from launcher.replication.transport import (
+    FRAME,
+    HELLO,
+    MAC_SIZE,
+    MAGIC,
+    MAX_JSON,
+    NONCE_SIZE,
+    TO_CLIENT,
+    TO_SERVER,
+    WELCOME,
+    Client,
+    GetRequest,
+    PutRequest,
+    Server,
+)
+from launcher.slots import SlotOwner
+
+KEY = bytes(range(32))
+RUN = "fuzz-run"
+FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# JSON values a peer may send, biased toward the protocol's field names and edge values.
+_FIELDS = st.sampled_from(["op", "ok", "error", "run_id", "rank", "step", "seq", "world_size",
+                           "data_len", "meta_hash", "keep", "round", "stable", "have",
+                           "aborted"])
+_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False), st.text(max_size=80),
+    st.sampled_from(["put", "get", "end", RUN, "0" * 64]))
+_JSON = st.recursive(_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)),
+    max_leaves=20)
+_MESSAGES = st.dictionaries(st.one_of(_FIELDS, st.text(max_size=10)), _JSON, max_size=12)
+
+
+def _check_request(request: PutRequest | GetRequest) -> None:
+    if isinstance(request, GetRequest):
+        assert 0 <= request.rank and 0 <= request.step
+        return
+    header = request.header
+    assert 0 <= header.rank < header.world_size <= transport.MAX_RANK
+    assert 0 <= header.data_len <= transport.MAX_DATA and len(request.meta) == header.meta_len
+
+
+@FAST
+@given(st.binary(max_size=4 * (FRAME.size + MAC_SIZE)), st.integers(0, 3))
+def test_arbitrary_bytes_never_open_as_a_frame(data: bytes, seq: int) -> None:
+    with pytest.raises(ReplicationError):
+        transport.open_frame(KEY, TO_SERVER, seq, data)
+    try:
+        json_len, blob_len = transport.frame_lengths(data[:FRAME.size])
+    except ReplicationError:
+        return
+    assert json_len <= MAX_JSON and blob_len <= transport.MAX_META
+
+
+@FAST
+@given(_MESSAGES, st.binary(max_size=64), st.integers(0, 2**64 - 1), st.data())
+def test_a_sealed_frame_opens_once_and_any_change_is_caught(
+        message: dict[str, Any], blob: bytes, seq: int, data: st.DataObject) -> None:
+    try:
+        frame = transport.seal_frame(KEY, TO_CLIENT, seq, message, blob)
+    except ValueError:  # not JSON (an infinite float): the sender refuses it
+        return
+    assert transport.open_frame(KEY, TO_CLIENT, seq, frame) == (
+        json.loads(json.dumps(message)), blob)
+    for wrong in ((KEY, TO_SERVER, seq), (KEY, TO_CLIENT, (seq + 1) % 2**64),
+                  (bytes(32), TO_CLIENT, seq)):
+        with pytest.raises(ReplicationError):
+            transport.open_frame(*wrong, frame)
+    position = data.draw(st.integers(0, len(frame) - 1))
+    flip = data.draw(st.integers(1, 255))
+    changed = bytearray(frame)
+    changed[position] ^= flip
+    with pytest.raises(ReplicationError):
+        transport.open_frame(KEY, TO_CLIENT, seq, bytes(changed))
+
+
+@FAST
+@given(_MESSAGES, st.binary(max_size=256))
+def test_any_message_behind_a_valid_mac_is_validated(message: dict[str, Any], blob: bytes) -> None:
+    """What a peer that knows the secret may send: only ReplicationError, and whatever
+    passes is within the protocol's bounds."""
+    for parse in (lambda: _check_request(transport.parse_request(message, blob, run_id=RUN)),
+                  lambda: transport.parse_reply(message),
+                  lambda: transport.parse_slot_reply(message, blob, run_id=RUN, rank=0, step=1),
+                  lambda: transport.parse_trailer(message)):
+        try:
+            parse()
+        except ReplicationError:
+            pass
+
+
+@FAST
+@given(st.binary(max_size=2 * HELLO.size))
+def test_arbitrary_hello_and_welcome(data: bytes) -> None:
+    for parse, size in ((lambda d: transport.parse_hello(d, run_id=RUN), HELLO.size),
+                        (transport.parse_welcome, WELCOME.size)):
+        try:
+            nonce = parse(data)
+        except ReplicationError:
+            continue
+        assert len(data) == size and data.startswith(MAGIC) and len(nonce) == NONCE_SIZE
+
+
+# -- a live server -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def live() -> Iterator[tuple[Server, SlotOwner, list[str]]]:
+    run_id = f"fuzz-{os.getpid()}"
+    a = SlotOwner(run_id=run_id, host_id="fa", local_world_size=1)
+    b = SlotOwner(run_id=run_id, host_id="fb", local_world_size=1)
+    rejects: list[str] = []
+    server = Server(b, secret=SECRET, run_id=run_id, handshake_timeout=0.3,
+                    on_reject=lambda peer, reason: rejects.append(reason))
+    try:
+        yield server, a, rejects
+    finally:
+        server.close()
+        a.close()
+        b.close()
+
+
+_HELLOS = st.one_of(
+    st.binary(max_size=2 * HELLO.size),
+    st.builds(lambda magic, nonce, tag: HELLO.pack(magic, nonce, tag),
+              st.sampled_from([MAGIC, b"GEMtrns0", bytes(8)]), st.binary(min_size=32, max_size=32),
+              st.binary(min_size=16, max_size=16)))
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(hello=_HELLOS, rest=st.lists(st.binary(max_size=80), max_size=3), right_tag=st.booleans())
+def test_strangers_never_get_through_the_handshake(
+        live: tuple[Server, SlotOwner, list[str]], hello: bytes, rest: list[bytes],
+        right_tag: bool) -> None:
+    """A stranger's bytes at every step of the handshake, with the right run tag or not:
+    the server answers at most its nonce, never a proof or a frame, and closes."""
+    server, _, _ = live
+    if right_tag and len(hello) == HELLO.size:
+        magic, nonce, _ = HELLO.unpack(hello)
+        hello = HELLO.pack(magic, nonce, transport.run_tag(server.run_id))
+    received = b""
+    with socket.create_connection(server.address, timeout=5) as sock:
+        try:
+            for chunk in (hello, *rest):
+                sock.sendall(chunk)
+            sock.shutdown(socket.SHUT_WR)
+            while True:
+                got = sock.recv(4096)
+                if not got:
+                    break
+                received += got
+        except OSError:
+            pass  # reset by the server: as good as closed
+    assert len(received) in (0, WELCOME.size), received[:80]
+
+
+def test_real_peers_are_served_after_the_fuzzing(live: tuple[Server, SlotOwner, list[str]]) -> None:
+    server, a, _ = live
+    data = os.urandom(64 << 10)
+    client = Client(server.address, secret=SECRET, run_id=server.run_id, timeout=10.0)
+    try:
+        assert client.push(fill(a, 0, 5, data)) == 5
+    finally:
+        client.close()
+    replica = server.slots.find(0, 5)
+    assert replica is not None and slot_bytes(replica) == data
