@@ -782,8 +782,8 @@ def _launch(config: RunConfig, command: Command,
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
         events.write("exit", outcome=outcome)
-        if memory_service.replication is not None:
-            memory_service.replication.stop_sending()  # it uses the store, closed first
+        if memory_service.replication is not None:  # it uses the store, closed first
+            memory_service.replication.stop_sending(wait=outcome != "store_unavailable")
         for service in services:
             service.close()
         unwatch()

@@ -506,7 +506,8 @@ class EtcdStore(_StoreBase):
 
     ``endpoints`` are ``host:port`` strings of members of one cluster. A call goes to the
     endpoint that answered last; if that one cannot be reached, to the next, each with a
-    deadline of ``timeout`` seconds. When none answers, the call is retried with
+    deadline of ``timeout`` seconds, shortened to a quarter of a short outage window (not
+    below 1 s) so that giving up does not overrun the window by much. When none answers, the call is retried with
     exponential backoff and jitter until the cluster answers or ``outage`` seconds have
     passed since the outage began (0: give up at once); then it raises
     :class:`~launcher.errors.StoreUnavailableError`. A compare-and-set that timed out
@@ -530,7 +531,7 @@ class EtcdStore(_StoreBase):
             raise ConfigError(f"store outage window must be >= 0, not {outage!r}")
         members = [_parse_endpoint(e) for e in endpoints]
         self.endpoints = [f"{host}:{port}" for host, port in members]
-        self.timeout = timeout
+        self.timeout = min(timeout, max(1.0, outage / 4)) if outage > 0 else timeout
         self.outage = outage
         self._outage = _outage_of(self.endpoints)
         self._exceptions = importlib.import_module("pyetcd.exceptions")
@@ -545,7 +546,7 @@ class EtcdStore(_StoreBase):
             pyetcd.MultiEndpointEtcd3Client(
                 endpoints=[pyetcd.Endpoint(host, port, secure=tls is not None, creds=tls,
                                            time_retry=0, opts=_GRPC_OPTIONS)],
-                timeout=timeout)
+                timeout=self.timeout)
             for host, port in members]
         self._current = 0
         self._lock = threading.RLock()

@@ -31,12 +31,12 @@ TRAIN = (str(SCRIPTS / "train_ckpt.py"), "--grad-sync", "params")
 STEPS = 120
 
 
-def _argv(tmp: Path, endpoint: str, *extra: str) -> list[str]:
+def _argv(tmp: Path, endpoint: str, *extra: str, sleep: float = 0.15) -> list[str]:
     return [*GEMINI, "run", "--nnodes", "2:2", "--nproc-per-node", "1",
             "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", endpoint, "--rdzv-id", "outage",
             "--rdzv-conf", "last_call_timeout=1", "--store", f"etcd://{endpoint}",
             "--host-ttl", "3", "--max-restarts", "3", "--replication-addr", "127.0.0.1",
-            "--no-standby", *extra, *TRAIN, "--steps", str(STEPS), "--sleep", "0.15",
+            "--no-standby", *extra, *TRAIN, "--steps", str(STEPS), "--sleep", str(sleep),
             "--out", str(tmp / "out.pt")]
 
 
@@ -59,13 +59,14 @@ def _step(host: Host) -> int:
 
 
 def _train_through(tmp: Path, endpoint: str, fault: Callable[[list[Host]], None],
-                   *extra: str, private_mount: bool = True) -> list[Host]:
-    """Two hosts train; ``fault(hosts)`` runs once rank 0 reached step 5; returns the
-    hosts once both exited."""
+                   *extra: str, private_mount: bool = True, sleep: float = 0.15) -> list[Host]:
+    """Two hosts train, each step lasting at least ``sleep`` seconds; ``fault(hosts)``
+    runs once rank 0 reached step 5; returns the hosts once both exited."""
     hosts: list[Host] = []
     by = time.monotonic() + 400
     try:
-        hosts += [Host(tmp, f"h{i}", _argv(tmp, endpoint, *extra), private_mount=private_mount)
+        hosts += [Host(tmp, f"h{i}", _argv(tmp, endpoint, *extra, sleep=sleep),
+                      private_mount=private_mount)
                  for i in range(2)]
         wait_for(lambda: max(_step(h) for h in hosts) >= 5, 180, "step 5", hosts, by)
         fault(hosts)
@@ -87,6 +88,10 @@ def _assert_untouched(tmp: Path, hosts: list[Host], reference: dict) -> list[dic
     assert not [e for e in found if e["event"] in ("restart", "worker_exit")], found
     assert_bitwise(torch.load(tmp / "out.pt"), reference)
     return [e for e in found if e["event"] == "store_back"]
+
+
+def _backs(tmp: Path) -> int:
+    return sum(e["event"] == "store_back" for e in events(tmp / "runs"))
 
 
 def test_etcd_killed_and_restarted_never_stops_training(tmp_path: Path, reference: dict) -> None:
@@ -143,18 +148,21 @@ def test_hung_etcd_within_the_window_then_past_it(tmp_path: Path, reference: dic
             time.sleep(3)
             etcd.send(signal.SIGCONT)
             wait_for(lambda: max(_step(h) for h in hosts) >= 20, 120, "step 20", hosts)
+            wait_for(lambda: _backs(tmp_path) >= 2, 60, "the store back", hosts)
             etcd.send(signal.SIGSTOP)
             frozen.append(time.monotonic())
 
         extra = ("--store-timeout", str(window))
-        first = _train_through(tmp_path, etcd.endpoint, hangs, *extra, private_mount=False)
+        # Slow steps: the 100 steps left after the freeze outlast the window and the exit.
+        first = _train_through(tmp_path, etcd.endpoint, hangs, *extra, private_mount=False,
+                               sleep=0.4)
         exited = time.monotonic()
         etcd.send(signal.SIGCONT)
         for host in first:
             assert host.proc.returncode == 3, host.output()[-3000:]
             assert "unreachable for" in host.output() and "--store-timeout 6" in host.output()
             assert any(host.shm.iterdir()), "the slots were not kept"
-        assert exited - frozen[0] < window + 20
+        assert exited - frozen[0] < window + 12
         stopped_at = max(_step(h) for h in first)
         assert stopped_at < STEPS - 1
         again = _train_through(tmp_path, etcd.endpoint, lambda _: None, *extra,

@@ -487,11 +487,14 @@ class ReplicationService:
     def _on_reject(self, peer: str, reason: str) -> None:
         self.events.write("replication_rejected", peer=peer, reason=reason)
 
-    def stop_sending(self) -> None:
-        """Stop the sender thread (idempotent): before the coordination store closes."""
+    def stop_sending(self, *, wait: bool = True) -> None:
+        """Stop the sender thread (idempotent): before the coordination store closes. Not
+        ``wait``: only tell it; a call it has in flight to an unreachable store ends when
+        the store is closed, and :meth:`close` waits for it."""
         self._stop.set()
         self._running.set()
-        self._thread.join(timeout=10)
+        if wait:
+            self._thread.join(timeout=10)
 
     def close(self) -> None:
         self.stop_sending()
