@@ -51,6 +51,7 @@ MODEL = ["--n-embd", "384", "--n-layer", "4", "--n-head", "6", "--batch-size", "
 GEMINI = [sys.executable, "-m", "gemini_cli", "run"]
 IDLE = 0.2  # seconds each host-loss step sleeps: GPU time, during which the CPU is free
 DEVICE_TIME = 0.2  # seconds of stand-in GPU time per step in part 2's second setting
+STANDBY_READY = 5.0  # seconds a spare waits before the kill: its standbys import torch
 
 
 class Host:
@@ -150,9 +151,12 @@ def _free_port() -> int:
 
 # -- 3. host-loss recovery ------------------------------------------------------------------
 
-def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str) -> dict[str, float]:
-    """Kill the host in node slot 1 after step 10, start a replacement at once, and time
-    the phases until rank 0 completes its first step after the restore."""
+def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str, spare: bool = False
+              ) -> dict[str, float]:
+    """Kill the host in node slot 1 after step 10 and time the phases until rank 0
+    completes its first step after the restore. The host that takes its place is started
+    at the kill, or with ``spare`` is a spare that has been waiting (its standby workers
+    ready) since before it."""
     with tempfile.TemporaryDirectory() as tmp, _shm() as shm:
         run_root = Path(tmp) / "runs"
         env = dict(os.environ, GEMINI_RUN_ROOT=str(run_root), PYTHONWARNINGS="ignore")
@@ -177,9 +181,14 @@ def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str) -> dict[str, f
                      if e["event"] == "rendezvous"}
             time.sleep(0.1)
         survivor, victim = hosts[slots[0]], hosts[slots[1]]
+        if spare:
+            replacement = host("new", 2)
+            _wait_for_spare(etcd_url, run_id, deadline)
+            time.sleep(STANDBY_READY)
         killed = time.time()
         victim.kill()
-        replacement = host("new", 2)
+        if not spare:
+            replacement = host("new", 2)
         survivor.wait(timeout=600)
         replacement.wait(timeout=60)
         resumed = survivor.first(r"^resumed at step", after=killed) or killed
@@ -203,6 +212,20 @@ def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str) -> dict[str, f
                 "detection": failed - killed, "rendezvous": planned - transfer - failed,
                 "transfer": transfer, "load + first step": first_step - planned,
                 "total": first_step - killed}
+
+
+def _wait_for_spare(etcd_url: str, run_id: str, deadline: float) -> None:
+    from launcher.coordination import read_status
+    from launcher.store import open_store
+
+    store = open_store(etcd_url)
+    try:
+        while read_status(store, run_id).spares != ["new"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the spare did not register")
+            time.sleep(0.1)
+    finally:
+        store.close()
 
 
 def main() -> None:
@@ -269,23 +292,28 @@ def main() -> None:
     if "3" not in skip:
         from etcd_server import EtcdServer
 
-        modes = {"peer memory (--replicas 2)": ["--replicas", "2"],
-                 "persistent tier, local disk": ["--replicas", "1", "--persist-dir", "{tmp}/persist",
-                                                 "--persist-every", "1"]}
+        peer = ["--replicas", "2"]
+        variants = {"peer memory, hot spare": (peer, True),
+                    "peer memory, replacement started at the kill": (peer, False),
+                    "persistent tier (local disk), replacement started at the kill": (
+                        ["--replicas", "1", "--persist-dir", "{tmp}/persist", "--persist-every",
+                         "1"], False)}
         phases = ("detection", "rendezvous", "transfer", "load + first step", "total")
         rows = []
+        results: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         with EtcdServer() as etcd:
-            results = {name: [host_loss(mode, etcd.endpoint, etcd.url) for _ in range(args.repeat)]
-                       for name, mode in modes.items()}
-        ours = statistics.median(r["total"] for r in results["peer memory (--replicas 2)"])
+            for _ in range(args.repeat):
+                for name, (mode, spare) in variants.items():  # interleaved
+                    results[name].append(host_loss(mode, etcd.endpoint, etcd.url, spare))
+        ours = statistics.median(r["total"] for r in results["peer memory, hot spare"])
         for name, runs in results.items():
             medians = {k: statistics.median(r[k] for r in runs) for k in phases}
             redone = statistics.median(r["steps redone"] for r in runs)
             rows.append([name, f"{redone:g}", *(f"{medians[k]:.2f} s" for k in phases),
                          f"{medians['total'] / ours:.2f}x"])
         out += ["3. host kill -> first completed step after restore (2 hosts x 1 worker, etcd-v3 "
-                f"rendezvous, replacement started at the kill, {IDLE} s idle per step)", "",
-                table(["restore from", "steps redone", *phases, "vs peer"], rows), ""]
+                f"rendezvous, {IDLE} s idle per step)", "",
+                table(["restore from", "steps redone", *phases, "vs hot spare"], rows), ""]
     flush()
 
 

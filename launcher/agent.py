@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -174,9 +174,11 @@ def _define_agent(base: type) -> type:
         def __init__(self, *args: Any, events: EventLog, host_id: str,
                      services: Sequence[SupervisorService],
                      lost_hosts: Callable[[], frozenset[str]] = frozenset,
+                     declare_dead: Callable[[Iterable[str]], dict[str, str]] = lambda _: {},
                      forget: Callable[[], None] = lambda: None, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self._lost_hosts = lost_hosts
+            self._declare_dead = declare_dead
             self._forget = forget
             self._members: frozenset[str] = frozenset()  # the hosts of this host's round
             self._joined_round: int | None = None  # torch's round number of that round
@@ -432,6 +434,13 @@ def _define_agent(base: type) -> type:
                     state=result.state.name,
                     failures=[_failure_record(rank, f) for rank, f in result.failures.items()],
                 )
+                # A peer's death is the usual cause of a healthy worker's communication
+                # error: if its supervisor is gone, every host learns it now.
+                for host, evidence in self._declare_dead(self._members - {self._host_id}).items():
+                    print(f"gemini: host {host} is gone ({evidence}): every host restarts "
+                          "without it", file=sys.stderr, flush=True)
+                    self._events.write("host_dead", round=self._round, lost=host,
+                                       evidence=evidence)
                 self._after_failure(worker_group)
             return result
 
@@ -548,6 +557,19 @@ def _define_agent(base: type) -> type:
     return GeminiAgent
 
 
+def _describe_host(coordination: Any, memory_service: Any, handler: Any) -> None:
+    """Publish where this host's replication server listens and its rendezvous node, by
+    which the others can tell that its supervisor died and drop it from the rendezvous."""
+    node = getattr(handler, "_this_node", None)
+    replication = memory_service.replication
+    try:
+        coordination.describe(
+            replication=list(replication.address) if replication is not None else None,
+            node=repr(node) if node is not None else None)
+    except StoreError as exc:
+        logger.warning("cannot publish this host's addresses: %s", exc)
+
+
 def _failure_record(rank: int, failure: Any) -> dict[str, Any]:
     """A JSON-friendly summary of torch elastic's ``ProcessFailure``."""
     return {
@@ -656,6 +678,7 @@ def _launch(config: RunConfig, command: Command,
 
     from launcher.rendezvous import (
         STORE_TIMEOUT_KEY,
+        drop_gone_nodes,
         register,
         set_credentials,
         speed_up_rendezvous,
@@ -709,6 +732,8 @@ def _launch(config: RunConfig, command: Command,
         raise
     if launch_config.max_nodes > 1:
         print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
+        _describe_host(coordination, memory_service, spec.rdzv_handler)
+        drop_gone_nodes(coordination.lost_nodes)
     events.add_sink(coordination.record_event)
     if config.standby:
         services.append(StandbyService(launch_config.nproc_per_node))
@@ -733,6 +758,7 @@ def _launch(config: RunConfig, command: Command,
             host_id=owner.host_id,
             services=services,
             lost_hosts=coordination.lost_hosts,
+            declare_dead=coordination.declare_dead,
             forget=lambda: owner.discard_newer_than(-1),
         )
         events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,

@@ -4,9 +4,10 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
 
     root                    host id of the root supervisor (bound to its lease: an election)
     alive/<host>            "1", bound to the host's lease: gone within the TTL of its death
-    hosts/<host>            JSON record: pid, ranks, round, restart count, last heartbeat, state
-                            ("waiting" until the host's first round: a spare; "running";
-                            "exited")
+    hosts/<host>            JSON record: pid, lease, ranks, round, restart count, last
+                            heartbeat, state ("waiting" until the host's first round: a
+                            spare; "running"; "exited"), and where its replication server
+                            listens and its rendezvous node (``describe``)
     replication/plan        JSON: the replication round's globally restorable step s*, its
                             next target, k and the lag (``launcher.replication.progress``)
     replication/done/<node> JSON: the newest target node ``node`` has replicated
@@ -22,7 +23,11 @@ Each supervisor runs :class:`CoordinationService`: it registers under a lease ke
 in the background, publishes its ranks' newest committed steps, campaigns for root, and,
 while root, records a ``host_lost`` event when another host's lease expires (after a
 store outage, only if the host has not registered again within a ttl: no lease could be
-refreshed meanwhile). Store outages never stop training: writes are queued and retried by
+refreshed meanwhile). A supervisor that sees another's die (its workers failed, and
+nothing listens any longer where that supervisor's replication server was: the process
+is gone, its machine is up) revokes the dead host's lease (:meth:`declare_dead`): every
+host learns of the loss through its watch at once, without waiting out the TTL.
+Store outages never stop training: writes are queued and retried by
 the heartbeat thread, and a lease that expired meanwhile is replaced and every key bound
 to it published again.
 :func:`read_status` turns one prefix read into the snapshot ``gemini status`` shows.
@@ -34,9 +39,10 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +59,11 @@ logger = logging.getLogger(__name__)
 ROOT = "gemini/runs/"
 #: Agent events mirrored into the store (the full log stays in the run directory).
 STORE_EVENTS = frozenset({"launch", "worker_exit", "hang", "restart", "exit", "host_lost",
-                          "root_elected", "restore_plan", "no_restart", "round_retry"})
+                          "host_dead", "root_elected", "restore_plan", "no_restart",
+                          "round_retry"})
+#: Seconds a probe of a peer's replication port may take: refused is proof that the
+#: peer's supervisor is gone; no answer proves nothing (its lease decides).
+PROBE_TIMEOUT = 0.5
 
 
 #: Events kept in the store per run (the root deletes older ones); ``gemini status``
@@ -87,6 +97,7 @@ class CoordinationService:
         }
         self._published: dict[str, Any] = {}
         self._lost: set[str] = set()
+        self._lost_nodes: dict[str, str] = {}  # lost host -> its rendezvous node
         self._unpruned = _PRUNE_EVERY  # events written since the last prune: prune at once
         self.persist_status: Callable[[], Mapping[int, int]] | None = None
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
@@ -115,6 +126,60 @@ class CoordinationService:
 
     def check(self) -> None:
         pass
+
+    def describe(self, **fields: Any) -> None:
+        """Add ``fields`` to this host's record: ``replication`` ([host, port] of its
+        replication server) and ``node`` (its rendezvous node) let others declare it
+        dead."""
+        with self._lock:
+            self._record.update(fields)
+            record = _dump(self._record)
+        self.store.put(self.prefix + f"hosts/{self.host_id}", record)
+
+    def declare_dead(self, hosts: Iterable[str]) -> dict[str, str]:
+        """Of ``hosts``, those whose supervisor is certainly gone, now lost for every host,
+        with the evidence:
+        nothing listens where its replication server did (connection refused). Their
+        leases are revoked, so that every other host learns at once. A host that is slow
+        or unreachable is left to its lease."""
+        records: dict[str, dict[str, Any]] = {}
+        for host in set(hosts) - {self.host_id} - self.lost_hosts():
+            try:
+                value = self.store.get(self.prefix + f"hosts/{host}")
+                record = json.loads(value) if value is not None else None
+            except (StoreError, ValueError) as exc:
+                logger.warning("cannot read the record of host %s: %s", host, exc)
+                continue
+            if isinstance(record, dict) and record.get("state") == "running" and isinstance(
+                    record.get("replication"), list) and isinstance(record.get("lease"), int):
+                records[host] = record
+        verdicts: dict[str, bool] = {}
+        probes = [threading.Thread(target=lambda h=host, r=record: verdicts.__setitem__(
+            h, _refused(r["replication"])), daemon=True) for host, record in records.items()]
+        for probe in probes:
+            probe.start()
+        for probe in probes:
+            probe.join(PROBE_TIMEOUT + 0.5)
+        dead: dict[str, str] = {}
+        for host in sorted(h for h, refused in verdicts.items() if refused):
+            record = records[host]
+            try:
+                self.store.revoke_lease(record["lease"])
+            except StoreError as exc:
+                logger.warning("cannot revoke the lease of dead host %s: %s", host, exc)
+            with self._lock:
+                self._lost.add(host)
+                if isinstance(record.get("node"), str):
+                    self._lost_nodes[host] = record["node"]
+            address = ":".join(map(str, record["replication"]))
+            dead[host] = f"its supervisor no longer listens at {address}"
+        return dead
+
+    def lost_nodes(self) -> frozenset[str]:
+        """The rendezvous nodes of the lost hosts whose node is known."""
+        with self._lock:
+            return frozenset(node for host, node in self._lost_nodes.items()
+                             if host in self._lost)
 
     def close(self) -> None:
         self._stop.set()
@@ -159,6 +224,8 @@ class CoordinationService:
 
     # -- background ---------------------------------------------------------------------------
     def _register(self) -> None:
+        with self._lock:
+            self._record["lease"] = self._lease.id
         self.store.put(self.prefix + f"alive/{self.host_id}", b"1", lease=self._lease)
         self.store.put(self.prefix + f"hosts/{self.host_id}", _dump(self._record))
         self._campaign()
@@ -204,13 +271,18 @@ class CoordinationService:
             logger.warning("could not check whether host %s is lost: %s", host, exc)
             return
         try:
-            exited = record is not None and json.loads(record).get("state") == "exited"
-        except (ValueError, AttributeError):
-            exited = False
-        if exited:
+            fields = json.loads(record) if record is not None else {}
+        except ValueError:
+            fields = {}
+        if not isinstance(fields, dict):
+            fields = {}
+        if fields.get("state") == "exited":
             return
+        node = fields.get("node")
         with self._lock:
             self._lost.add(host)
+            if isinstance(node, str):
+                self._lost_nodes[host] = node
         if self.is_root:
             self.record_event("host_lost", {"lost": host})
 
@@ -274,6 +346,17 @@ class CoordinationService:
         if self.is_root and self._unpruned >= _PRUNE_EVERY:
             self._unpruned = 0
             prune_events(self.store, self.prefix)
+
+
+def _refused(address: list[Any]) -> bool:
+    """Whether a TCP connection to ``address`` ([host, port]) is refused."""
+    try:
+        with socket.create_connection((str(address[0]), int(address[1])), PROBE_TIMEOUT):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def prune_events(store: Store, prefix: str, keep: int = STORE_EVENT_LIMIT) -> int:

@@ -15,8 +15,9 @@ import dataclasses
 import datetime
 import logging
 import sys
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch._C._distributed_c10d import Store as _TorchStoreBase
@@ -40,12 +41,29 @@ BACKEND = "etcd-v3"
 _POLL = 0.02
 
 
+#: Set when the rendezvous state changed: wakes a node polling for the next round.
+_CHANGED = threading.Event()
+
+
 class StoreRendezvousBackend(RendezvousBackend):
-    """The rendezvous state of one run in one key; the token is the state's bytes."""
+    """The rendezvous state of one run in one key; the token is the state's bytes.
+
+    A watch on the key notes when it last changed (``changed_at``), so that a node
+    waiting for a round reads the new state at once instead of at its next poll."""
 
     def __init__(self, store: Store, run_id: str) -> None:
         self.store = store
         self._key = f"gemini/rdzv/{run_id}/state"
+        self.changed_at = 0.0
+        try:
+            store.watch_prefix(self._key, self._on_change)
+        except StoreError as exc:  # polling alone still works
+            logger.warning("cannot watch the rendezvous state: %s", exc)
+
+    def _on_change(self, key: str, value: bytes | None) -> None:
+        if key == self._key:
+            self.changed_at = time.monotonic()
+            _CHANGED.set()
 
     @property
     def name(self) -> str:
@@ -260,9 +278,12 @@ def speed_up_rendezvous(*, single_node: bool) -> None:
     if not getattr(join, "_gemini_members_first", False):
         setattr(join, "__call__", _members_first(join.__call__))  # noqa: B010
         setattr(join, "_gemini_members_first", True)  # noqa: B010
-    if single_node:
+    if not getattr(holder, "_gemini_fresh", False):
+        setattr(holder, "sync", _fresh_after_change(holder.sync))  # noqa: B010
+        setattr(holder, "_gemini_fresh", True)  # noqa: B010
         delay = getattr(dynamic_rendezvous, "_delay")  # noqa: B009
-        setattr(dynamic_rendezvous, "_delay", _no_start_skew(delay))  # noqa: B010
+        setattr(dynamic_rendezvous, "_delay", _wake_on_change(delay))  # noqa: B010
+    _SINGLE_NODE[:] = [single_node]
 
 
 def _steady_heartbeats(self: Any) -> None:
@@ -277,6 +298,36 @@ def _steady_heartbeats(self: Any) -> None:
     self._keep_alive_timer.start()
 
 
+_GONE: list[Callable[[], frozenset[str]]] = []
+
+
+def drop_gone_nodes(gone: Callable[[], frozenset[str]]) -> None:
+    """Have torch's rendezvous in this process drop the nodes that ``gone()`` names (as
+    ``repr`` of torch's node descriptors: ``ADDR_PID_ID``) at once, as it drops a node
+    whose keep-alive expired: a host known to be lost cannot hold up the next round
+    until its heartbeat goes stale."""
+    _GONE[:] = [gone]
+
+
+def _drop_gone(holder: Any) -> None:
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _remove_participant_epilogue,
+    )
+
+    gone = _GONE[0]() if _GONE else frozenset()
+    state = holder._state
+    nodes = {*state.last_heartbeats, *state.participants, *state.wait_list,
+             *state.redundancy_list}
+    removed = False
+    for node in [n for n in nodes if repr(n) in gone]:
+        state.last_heartbeats.pop(node, None)
+        removed |= state.participants.pop(node, None) is not None
+        state.wait_list.discard(node)
+        state.redundancy_list.discard(node)
+    if removed:
+        _remove_participant_epilogue(state, holder._settings)
+
+
 def _outage_aware(sanitize: Any) -> Any:
     """torch's removal of dead nodes from the rendezvous state, skipped while the store is
     away or slow: while it is unreachable and for one keep-alive grace after it is back,
@@ -286,6 +337,7 @@ def _outage_aware(sanitize: Any) -> Any:
     itself from the running round."""
 
     def sanitize_unless_after_outage(self: Any) -> None:
+        _drop_gone(self)  # known dead, whatever the heartbeats say
         store = getattr(self._backend, "store", None)
         settings = self._settings
         window = settings.keep_alive_interval * settings.keep_alive_max_attempt
@@ -358,13 +410,36 @@ def _members_first(join: Any) -> Any:
     return join_members_first
 
 
-def _no_start_skew(delay: Any) -> Any:
-    def skip_start_skew(seconds: float | tuple[float, float]) -> None:
-        if isinstance(seconds, tuple):  # the random skew; a fixed delay is a poll interval
-            return
-        delay(seconds)
+_SINGLE_NODE = [False]
 
-    return skip_start_skew
+
+def _wake_on_change(delay: Any) -> Any:
+    """torch's ``_delay``: a fixed delay is the poll interval of a node waiting for the
+    rendezvous state to change, and ends early when it does (etcd-v3); a random one
+    spreads the nodes' first attempts, which a single-node job does without."""
+
+    def wait_for_change(seconds: float | tuple[float, float]) -> None:
+        if isinstance(seconds, tuple):
+            if not _SINGLE_NODE[0]:
+                delay(seconds)
+            return
+        _CHANGED.wait(seconds)
+        _CHANGED.clear()
+
+    return wait_for_change
+
+
+def _fresh_after_change(sync: Any) -> Any:
+    """torch's state sync, which serves a cached state for a second: not once the
+    backend saw the state change since."""
+
+    def sync_fresh(self: Any) -> Any:
+        changed = getattr(self._backend, "changed_at", None)
+        if changed is not None and changed > self._last_sync_time:
+            self._last_sync_time = -1
+        return sync(self)
+
+    return sync_fresh
 
 
 def assign_slots(members: dict[int, tuple[str, int | None]], world_size: int) -> dict[int, int]:

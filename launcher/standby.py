@@ -84,9 +84,10 @@ class StandbyPool:
 
 
 class StandbyService:
-    """Supervisor service: fills the standby pool before the first round, so that the
-    first workers run in standbys and die with the supervisor, and again from
-    ``REFILL_DELAY`` seconds after each start of workers."""
+    """Supervisor service: fills the standby pool as the supervisor starts, so that they
+    import torch while it waits for the first round (a spare waits ready to take a lost
+    host's place at once) and its first workers run in standbys and die with it; and
+    again from ``REFILL_DELAY`` seconds after each start of workers."""
 
     #: Seconds after workers start before new standbys start importing torch: at once,
     #: they took the cores from the workers' own start (the first output of a 2-worker job
@@ -100,6 +101,8 @@ class StandbyService:
         self._refill_at: float | None = None
         if not self.enabled:
             logger.info("standby workers unavailable with this torch version")
+        else:
+            self.pool.fill()
 
     def before_start(self, group: Any, store: Any) -> None:
         if self.enabled:

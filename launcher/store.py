@@ -191,6 +191,11 @@ class Store(Protocol):
         :meth:`KeepAlive.stop` (or :meth:`close`)."""
         ...
 
+    def revoke_lease(self, lease_id: int) -> None:
+        """End the lease with id ``lease_id``, whichever client holds it, and delete its
+        keys (idempotent)."""
+        ...
+
     def watch_prefix(self, prefix: str, callback: WatchCallback) -> Watch:
         """Call ``callback(key, value)`` for every later change of a key under ``prefix``:
         ``value`` is the new value of a put and None for a delete, a revocation or an
@@ -480,6 +485,12 @@ class _StoreBase:
     def unreachable_within(self, seconds: float) -> bool:
         return False  # a local file: never away
 
+    def revoke_lease(self, lease_id: int) -> None:
+        self._revoke_lease(lease_id)
+
+    def _revoke_lease(self, lease_id: int) -> None:
+        raise NotImplementedError
+
     def keep_alive(self, lease: Lease) -> KeepAlive:
         keepalive = KeepAlive(lease)
         with self._lock:
@@ -507,9 +518,10 @@ class EtcdStore(_StoreBase):
     ``endpoints`` are ``host:port`` strings of members of one cluster. A call goes to the
     endpoint that answered last; if that one cannot be reached, to the next, each with a
     deadline of ``timeout`` seconds, shortened to a quarter of a short outage window (not
-    below 1 s) so that giving up does not overrun the window by much. When none answers, the call is retried with
-    exponential backoff and jitter until the cluster answers or ``outage`` seconds have
-    passed since the outage began (0: give up at once); then it raises
+    below 1 s) so that giving up does not overrun the window by much. When none answers,
+    the call is retried with exponential backoff and jitter until the cluster answers or
+    ``outage`` seconds have passed since the outage began (0: give up at once); then it
+    raises
     :class:`~launcher.errors.StoreUnavailableError`. A compare-and-set that timed out
     is not retried (it may have been applied): it raises
     :class:`~launcher.errors.StoreUncertainError` for the caller to read back. Opening the

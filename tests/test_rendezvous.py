@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
@@ -34,14 +35,32 @@ def test_fast_event_names_match_torchs() -> None:
     assert _caller_name(10_000) == slow(10_000) == "no_method_name"
 
 
-def test_single_node_skips_only_the_random_start_skew() -> None:
-    from launcher.rendezvous import _no_start_skew
+def test_polls_end_when_the_state_changes_and_single_nodes_skip_the_start_skew() -> None:
+    """A node polling for the next round wakes as soon as the rendezvous state changes
+    (else after the poll interval); only a multi-node job spreads the first attempts."""
+    import threading
+
+    from launcher import rendezvous
 
     slept: list[object] = []
-    delay = _no_start_skew(slept.append)
-    delay((0, 0.3))
-    delay(1)
-    assert slept == [1]
+    delay = rendezvous._wake_on_change(slept.append)
+    single = rendezvous._SINGLE_NODE[0]
+    try:
+        rendezvous._SINGLE_NODE[:] = [True]
+        delay((0, 0.3))
+        rendezvous._SINGLE_NODE[:] = [False]
+        delay((0, 0.3))
+    finally:
+        rendezvous._SINGLE_NODE[:] = [single]
+    assert slept == [(0, 0.3)]
+    started = time.monotonic()
+    delay(0.3)
+    assert time.monotonic() - started >= 0.3
+    threading.Timer(0.1, rendezvous._CHANGED.set).start()
+    started = time.monotonic()
+    delay(30)
+    assert time.monotonic() - started < 10
+    assert not rendezvous._CHANGED.is_set()
 
 
 def test_the_last_rounds_members_join_before_spares() -> None:
