@@ -137,11 +137,10 @@ class CoordinationService:
         self.store.put(self.prefix + f"hosts/{self.host_id}", record)
 
     def declare_dead(self, hosts: Iterable[str]) -> dict[str, str]:
-        """Of ``hosts``, those whose supervisor is certainly gone, now lost for every host,
-        with the evidence:
-        nothing listens where its replication server did (connection refused). Their
-        leases are revoked, so that every other host learns at once. A host that is slow
-        or unreachable is left to its lease."""
+        """Of ``hosts``, those whose supervisor is certainly gone (nothing listens where
+        its replication server did: connection refused), with the evidence; each is now
+        lost, and its lease revoked so that every other host learns at once. A host that
+        is slow or unreachable is left to its lease."""
         records: dict[str, dict[str, Any]] = {}
         for host in set(hosts) - {self.host_id} - self.lost_hosts():
             try:
