@@ -377,3 +377,45 @@ def test_a_run_on_an_etcd_that_asks_for_client_certificates(tmp_path: Path) -> N
                        str(SCRIPTS / "idle.py"), "1"], env=env_with(tmp_path), timeout=60)
         assert refused.returncode == 3, refused.output
         assert refused.stderr.count("\n") == 1 and "gemini: error:" in refused.stderr
+
+
+def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Path) -> None:
+    """Three supervisors' coordination services on one store. h1 stops listening where
+    its replication server was (its supervisor died); h0 declares it dead: h1's lease is
+    revoked, and h2 counts it lost through its watch, well within the TTL. h2 still
+    listens: h0 leaves it alone."""
+    import socket
+
+    from launcher.coordination import CoordinationService
+    from launcher.slots import SlotOwner
+    from launcher.store import open_store
+
+    url = f"embedded://{tmp_path / 'store.db'}"
+    run_id = f"dead-{tmp_path.name}"
+    listening = socket.create_server(("127.0.0.1", 0))
+    hosts: dict[str, tuple[CoordinationService, SlotOwner]] = {}
+    try:
+        for name in ("h0", "h1", "h2"):
+            owner = SlotOwner(run_id=run_id, host_id=name, local_world_size=1)
+            hosts[name] = (CoordinationService(open_store(url), run_id=run_id, host_id=name,
+                                               owner=owner, ttl=30.0), owner)
+        gone = free_port()  # nothing listens there
+        for name, port in (("h1", gone), ("h2", listening.getsockname()[1])):
+            service = hosts[name][0]
+            service._record["state"] = "running"
+            service.describe(replication=["127.0.0.1", port], node=f"addr_{name}_0")
+        h0, h2 = hosts["h0"][0], hosts["h2"][0]
+        dead = h0.declare_dead(["h1", "h2"])
+        assert list(dead) == ["h1"] and str(gone) in dead["h1"], dead
+        assert h0.lost_hosts() == {"h1"} and h0.lost_nodes() == {"addr_h1_0"}
+        deadline = time.monotonic() + 10  # the TTL is 30 s
+        while h2.lost_hosts() != {"h1"}:
+            assert time.monotonic() < deadline, "h2 did not learn of h1's death"
+            time.sleep(0.05)
+        assert h2.lost_nodes() == {"addr_h1_0"}
+        assert h0.declare_dead(["h1", "h2"]) == {}  # already lost; h2 still listens
+    finally:
+        listening.close()
+        for service, owner in hosts.values():
+            service.close()
+            owner.close()

@@ -77,3 +77,38 @@ def test_the_last_rounds_members_join_before_spares() -> None:
     assert members_first("s", members, ["a"], ["a", "s"], SETTLE, 10.0)  # b is gone
     assert members_first("s", members, ["a"], ["a", "b", "s"], 10.0, 10.0)  # grace over
     assert members_first("s", frozenset(), [], [], SETTLE, 10.0)  # no last round seen
+
+
+def test_known_dead_nodes_leave_the_rendezvous_state_at_once() -> None:
+    """A node named by the registered callable is dropped from the participants, the
+    wait list, the redundancy list and the heartbeats, fresh as its heartbeat is; a
+    complete round left without participants opens the next one."""
+    import datetime
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _NodeDesc,
+        _RendezvousState,
+    )
+
+    from launcher import rendezvous
+
+    dead, alive, spare = (_NodeDesc("host", pid, 0) for pid in (1, 2, 3))
+    now = datetime.datetime.now(datetime.timezone.utc)
+    state = _RendezvousState()
+    state.round, state.complete = 4, True
+    state.participants = {dead: 0, alive: 1}
+    state.redundancy_list = {spare}
+    state.last_heartbeats = {dead: now, alive: now, spare: now}
+    holder = SimpleNamespace(_state=state, _settings=SimpleNamespace(min_nodes=2))
+    previous = list(rendezvous._GONE)
+    try:
+        rendezvous.drop_gone_nodes(lambda: frozenset({repr(dead), repr(spare)}))
+        rendezvous._drop_gone(holder)
+        assert state.participants == {alive: 1} and state.complete and state.round == 4
+        assert not state.redundancy_list and set(state.last_heartbeats) == {alive}
+        rendezvous.drop_gone_nodes(lambda: frozenset({repr(alive)}))
+        rendezvous._drop_gone(holder)
+        assert not state.participants and not state.complete and state.round == 5
+    finally:
+        rendezvous._GONE[:] = previous
