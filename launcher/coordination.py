@@ -43,6 +43,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -141,24 +142,24 @@ class CoordinationService:
         its replication server did: connection refused), with the evidence; each is now
         lost, and its lease revoked so that every other host learns at once. A host that
         is slow or unreachable is left to its lease."""
-        records: dict[str, dict[str, Any]] = {}
-        for host in set(hosts) - {self.host_id} - self.lost_hosts():
-            try:
-                value = self.store.get(self.prefix + f"hosts/{host}")
-                record = json.loads(value) if value is not None else None
-            except (StoreError, ValueError) as exc:
-                logger.warning("cannot read the record of host %s: %s", host, exc)
-                continue
-            if isinstance(record, dict) and record.get("state") == "running" and isinstance(
-                    record.get("replication"), list) and isinstance(record.get("lease"), int):
-                records[host] = record
-        verdicts: dict[str, bool] = {}
-        probes = [threading.Thread(target=lambda h=host, r=record: verdicts.__setitem__(
-            h, _refused(r["replication"])), daemon=True) for host, record in records.items()]
-        for probe in probes:
-            probe.start()
-        for probe in probes:
-            probe.join(PROBE_TIMEOUT + 0.5)
+        wanted = set(hosts) - {self.host_id} - self.lost_hosts()
+        if not wanted or self.store.unreachable_within(0):  # no waiting out an outage here
+            return {}
+        try:
+            found = self.store.get_prefix(self.prefix + "hosts/")
+        except StoreError as exc:
+            logger.warning("cannot read the host records: %s", exc)
+            return {}
+        records = {host: record for key, value in found.items()
+                   if (host := key.rsplit("/", 1)[-1]) in wanted
+                   and (record := _parse_record(value)).get("state") == "running"
+                   and isinstance(record.get("replication"), list)
+                   and isinstance(record.get("lease"), int)}
+        if not records:
+            return {}
+        with ThreadPoolExecutor(min(len(records), 64)) as pool:  # each within PROBE_TIMEOUT
+            verdicts = dict(zip(records, pool.map(
+                _refused, [r["replication"] for r in records.values()]), strict=True))
         dead: dict[str, str] = {}
         for host in sorted(h for h, refused in verdicts.items() if refused):
             record = records[host]
@@ -269,12 +270,7 @@ class CoordinationService:
         except StoreError as exc:
             logger.warning("could not check whether host %s is lost: %s", host, exc)
             return
-        try:
-            fields = json.loads(record) if record is not None else {}
-        except ValueError:
-            fields = {}
-        if not isinstance(fields, dict):
-            fields = {}
+        fields = _parse_record(record)
         if fields.get("state") == "exited":
             return
         node = fields.get("node")
@@ -345,6 +341,15 @@ class CoordinationService:
         if self.is_root and self._unpruned >= _PRUNE_EVERY:
             self._unpruned = 0
             prune_events(self.store, self.prefix)
+
+
+def _parse_record(value: bytes | None) -> dict[str, Any]:
+    """A host record's fields ({} for a missing or malformed record)."""
+    try:
+        record = json.loads(value) if value is not None else {}
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _refused(address: list[Any]) -> bool:

@@ -401,9 +401,8 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
                                                owner=owner, ttl=30.0), owner)
         gone = free_port()  # nothing listens there
         for name, port in (("h1", gone), ("h2", listening.getsockname()[1])):
-            service = hosts[name][0]
-            service._record["state"] = "running"
-            service.describe(replication=["127.0.0.1", port], node=f"addr_{name}_0")
+            hosts[name][0].describe(state="running", replication=["127.0.0.1", port],
+                                    node=f"addr_{name}_0")
         h0, h2 = hosts["h0"][0], hosts["h2"][0]
         dead = h0.declare_dead(["h1", "h2"])
         assert list(dead) == ["h1"] and str(gone) in dead["h1"], dead
