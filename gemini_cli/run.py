@@ -74,7 +74,11 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--store-password-file", "--store_password_file"), "store_password_file",
      "File holding --store-user's password."),
     (("--host-ttl", "--host_ttl"), "host_ttl",
-     "Seconds without a heartbeat before a host counts as lost.  [default: 10]"),
+     "Seconds without a refresh of its lease in the store before a host counts as lost.  "
+     "[default: 10]"),
+    (("--heartbeat-timeout", "--heartbeat_timeout"), "heartbeat_timeout",
+     "Seconds a peer's supervisor may leave heartbeats unanswered before it is suspected; "
+     "a majority of suspecting hosts makes it lost.  0: leases alone decide.  [default: 1]"),
     (("--store-timeout", "--store_timeout"), "store_timeout",
      "Seconds an etcd store may stay unreachable while training goes on; past them the "
      "workers stop, their checkpoints stay in memory, exit 3.  0: exit at once.  "

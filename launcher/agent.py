@@ -734,6 +734,13 @@ def _launch(config: RunConfig, command: Command,
         print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
         _describe_host(coordination, memory_service, spec.rdzv_handler)
         drop_gone_nodes(coordination.lost_nodes)
+        replication = memory_service.replication
+        if replication is not None and config.heartbeat_timeout > 0:
+            from launcher.heartbeat import HeartbeatService
+
+            services.insert(0, HeartbeatService(  # closes first: no pings of leaving hosts
+                coordination, events, connect=replication.client,
+                timeout=config.heartbeat_timeout))
     events.add_sink(coordination.record_event)
     if config.standby:
         services.append(StandbyService(launch_config.nproc_per_node))

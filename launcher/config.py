@@ -127,7 +127,11 @@ class RunConfig:
     store_password_file: str = dataclasses.field(default="", metadata={"gemini": True})
     """File holding ``store_user``'s password (never a flag: command lines are public)."""
     host_ttl: float = dataclasses.field(default=10.0, metadata={"gemini": True})
-    """Seconds without a heartbeat after which a host counts as lost."""
+    """Seconds without a refresh of its lease in the store after which a host counts as
+    lost."""
+    heartbeat_timeout: float = dataclasses.field(default=1.0, metadata={"gemini": True})
+    """Seconds a peer's supervisor may leave heartbeats unanswered before this host
+    suspects it; a majority of suspecting hosts makes it lost (0: leases alone decide)."""
     store_timeout: float = dataclasses.field(default=60.0, metadata={"gemini": True})
     """Seconds an etcd store may stay unreachable (restarting, hung, without quorum) while
     training goes on; past them the supervisor stops its workers and exits 3, leaving
@@ -180,6 +184,8 @@ class RunConfig:
             _parse_host_port(self.replication_addr, "replication_addr")
         for name, ok, rule in (
             ("host_ttl", 1 <= self.host_ttl <= DAY, "between 1 and 86400 seconds"),
+            ("heartbeat_timeout", self.heartbeat_timeout == 0
+             or 0.2 <= self.heartbeat_timeout <= DAY, "0, or between 0.2 and 86400 seconds"),
             ("store_timeout", 0 <= self.store_timeout <= DAY, "between 0 and 86400 seconds"),
             ("hang_timeout", 0 <= self.hang_timeout <= DAY, "between 0 and 86400 seconds"),
             ("replicas", self.replicas >= 1, ">= 1"),

@@ -13,6 +13,8 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
     replication/done/<node> JSON: the newest target node ``node`` has replicated
     ranks/<rank>            JSON: the host holding the rank and its newest step per tier
     replicas/<rank>/<host>  JSON: the newest step of ``rank`` that ``host`` keeps a replica of
+    suspects/<host>/<by>    "1", bound to ``by``'s lease: ``by`` gets no heartbeat answer
+                            from ``host`` (``launcher.heartbeat``; a majority makes it lost)
     events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...);
                             the root keeps the newest STORE_EVENT_LIMIT
     secret                  the replication secret, unless every host has a --secret-file
@@ -26,7 +28,10 @@ store outage, only if the host has not registered again within a ttl: no lease c
 refreshed meanwhile). A supervisor that sees another's die (its workers failed, and
 nothing listens any longer where that supervisor's replication server was: the process
 is gone, its machine is up) revokes the dead host's lease (:meth:`declare_dead`): every
-host learns of the loss through its watch at once, without waiting out the TTL.
+host learns of the loss through its watch at once, without waiting out the TTL. A host
+that stops answering heartbeats (frozen, powered off, cut off: no connection is ever
+refused) is lost once a majority of the running hosts suspect it (:meth:`suspect`, fed by
+``launcher.heartbeat``), and its lease is revoked the same way.
 Store outages never stop training: writes are queued and retried by
 the heartbeat thread, and a lease that expired meanwhile is replaced and every key bound
 to it published again.
@@ -60,7 +65,7 @@ logger = logging.getLogger(__name__)
 ROOT = "gemini/runs/"
 #: Agent events mirrored into the store (the full log stays in the run directory).
 STORE_EVENTS = frozenset({"launch", "worker_exit", "hang", "restart", "exit", "host_lost",
-                          "host_dead", "root_elected", "restore_plan", "no_restart",
+                          "host_dead", "host_unresponsive", "root_elected", "restore_plan", "no_restart",
                           "round_retry"})
 #: Seconds a probe of a peer's replication port may take: refused is proof that the
 #: peer's supervisor is gone; no answer proves nothing (its lease decides).
@@ -162,18 +167,62 @@ class CoordinationService:
                 _refused, [r["replication"] for r in records.values()]), strict=True))
         dead: dict[str, str] = {}
         for host in sorted(h for h, refused in verdicts.items() if refused):
-            record = records[host]
-            try:
-                self.store.revoke_lease(record["lease"])
-            except StoreError as exc:
-                logger.warning("cannot revoke the lease of dead host %s: %s", host, exc)
-            with self._lock:
-                self._lost.add(host)
-                if isinstance(record.get("node"), str):
-                    self._lost_nodes[host] = record["node"]
-            address = ":".join(map(str, record["replication"]))
+            self._declare_lost(host, records[host])
+            address = ":".join(map(str, records[host]["replication"]))
             dead[host] = f"its supervisor no longer listens at {address}"
         return dead
+
+    def running_peers(self) -> dict[str, tuple[str, int]]:
+        """The other live hosts in a round, not lost, with their replication address."""
+        found = self.store.get_prefix(self.prefix + "hosts/")
+        alive = self.store.get_prefix(self.prefix + "alive/")
+        live = {key.rsplit("/", 1)[-1] for key in alive} - self.lost_hosts() - {self.host_id}
+        peers = {}
+        for key, value in found.items():
+            host, record = key.rsplit("/", 1)[-1], _parse_record(value)
+            address = record.get("replication")
+            if (host in live and record.get("state") == "running" and isinstance(address, list)
+                    and len(address) == 2):
+                peers[host] = (str(address[0]), int(address[1]))
+        return peers
+
+    def suspect(self, host: str, suspected: bool = True) -> int | None:
+        """Vote that ``host``'s supervisor stopped answering heartbeats, or withdraw the
+        vote. A suspect is lost once a majority of the other running hosts vote so (one
+        slow or cut-off observer never removes a healthy host): the vote that completes
+        the majority revokes its lease, so that every host learns at once, and returns
+        the number of votes; otherwise None."""
+        votes_prefix = self.prefix + f"suspects/{host}/"
+        if not suspected:
+            self.store.delete(votes_prefix + self.host_id)
+            return None
+        self.store.put(votes_prefix + self.host_id, b"1", lease=self._lease)
+        records = {key.rsplit("/", 1)[-1]: _parse_record(value)
+                   for key, value in self.store.get_prefix(self.prefix + "hosts/").items()}
+        alive = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(self.prefix + "alive/")}
+        record = records.get(host, {})
+        if host not in alive or record.get("state") != "running" or host in self.lost_hosts():
+            return None  # exited, or already lost
+        voters = {h for h in alive if records.get(h, {}).get("state") == "running"} - {host}
+        votes = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(votes_prefix)} & voters
+        if len(votes) < len(voters) // 2 + 1 or not isinstance(record.get("lease"), int):
+            return None
+        self._declare_lost(host, record)
+        for voter in votes:
+            self.store.delete(votes_prefix + voter)
+        return len(votes)
+
+    def _declare_lost(self, host: str, record: Mapping[str, Any]) -> None:
+        """``host`` is lost: revoke its lease (every host's watch sees it go) and count it
+        lost here at once."""
+        try:
+            self.store.revoke_lease(record["lease"])
+        except StoreError as exc:
+            logger.warning("cannot revoke the lease of lost host %s: %s", host, exc)
+        with self._lock:
+            self._lost.add(host)
+            if isinstance(record.get("node"), str):
+                self._lost_nodes[host] = record["node"]
 
     def lost_nodes(self) -> frozenset[str]:
         """The rendezvous nodes of the lost hosts whose node is known."""

@@ -418,3 +418,69 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
         for service, owner in hosts.values():
             service.close()
             owner.close()
+
+
+def test_a_host_that_stops_answering_heartbeats_is_lost_once_a_majority_agrees(
+        tmp_path: Path) -> None:
+    """Three supervisors on one store; h0 and h2 run a transport server and heartbeats;
+    h1's replication port accepts connections but never answers (a frozen machine: no
+    connection is refused). A vote of one host of two is not enough; once both h0 and h2
+    suspect h1 it is lost on both, its lease revoked, well within its 30 s TTL, with one
+    host_unresponsive event. h0 and h2 never suspect each other."""
+    import socket
+
+    from launcher.coordination import CoordinationService
+    from launcher.events import EventLog
+    from launcher.heartbeat import HeartbeatService
+    from launcher.replication.transport import Client, Server
+    from launcher.slots import SlotOwner
+    from launcher.store import open_store
+
+    url = f"embedded://{tmp_path / 'store.db'}"
+    run_id = f"beat-{tmp_path.name}"
+    secret = b"s" * 32
+    frozen = socket.create_server(("127.0.0.1", 0))  # listens, never accepts
+    hosts: dict[str, tuple[CoordinationService, SlotOwner]] = {}
+    closers: list = []
+    try:
+        for name in ("h0", "h1", "h2"):
+            owner = SlotOwner(run_id=run_id, host_id=name, local_world_size=1)
+            hosts[name] = (CoordinationService(open_store(url), run_id=run_id, host_id=name,
+                                               owner=owner, ttl=30.0), owner)
+        servers = {name: Server(hosts[name][1], secret=secret, run_id=run_id)
+                   for name in ("h0", "h2")}
+        closers += servers.values()
+        ports = {"h1": frozen.getsockname()[1], **{n: s.address[1] for n, s in servers.items()}}
+        for name, port in ports.items():
+            hosts[name][0].describe(state="running", replication=["127.0.0.1", port],
+                                    node=f"addr_{name}_0")
+        (h0, _), (h1, _), (h2, _) = hosts["h0"], hosts["h1"], hosts["h2"]
+        assert h0.suspect("h1") is None and h0.lost_hosts() == set()  # 1 of {h0, h2}
+        h0.suspect("h1", False)
+
+        def connect(address: tuple[str, int], *, timeout: float) -> Client:
+            return Client(address, secret=secret, run_id=run_id, timeout=timeout)
+
+        logs = {name: EventLog(tmp_path / name, host=name) for name in ("h0", "h2")}
+        closers += logs.values()
+        began = time.monotonic()
+        beats = [HeartbeatService(hosts[name][0], logs[name], connect=connect, timeout=0.5)
+                 for name in ("h0", "h2")]
+        closers[:0] = beats
+        while not (h0.lost_hosts() == h2.lost_hosts() == {"h1"}):
+            assert time.monotonic() - began < 10, "h1 was not found unresponsive"
+            time.sleep(0.05)
+        time.sleep(2.0)  # h0 and h2 keep answering each other
+        assert h0.lost_hosts() == h2.lost_hosts() == {"h1"}
+        assert h0.lost_nodes() == {"addr_h1_0"}
+        found = events(tmp_path)
+        votes = [e for e in found if e["event"] == "host_unresponsive"]
+        assert len(votes) == 1 and votes[0]["lost"] == "h1" and votes[0]["votes"] == 2, votes
+        assert not h1.store.get(h1.prefix + "alive/h1")
+    finally:
+        frozen.close()
+        for closer in closers:
+            closer.close()
+        for service, owner in hosts.values():
+            service.close()
+            owner.close()

@@ -33,7 +33,7 @@ from launcher.replication.transport import (
     WELCOME,
     Client,
     GetRequest,
-    PutRequest,
+    PingRequest,
     Server,
 )
 from launcher.slots import SlotOwner
@@ -49,14 +49,16 @@ _FIELDS = st.sampled_from(["op", "ok", "error", "run_id", "rank", "step", "seq",
 _SCALARS = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=False), st.text(max_size=80),
-    st.sampled_from(["put", "get", "end", RUN, "0" * 64]))
+    st.sampled_from(["put", "get", "ping", "end", RUN, "0" * 64]))
 _JSON = st.recursive(_SCALARS, lambda inner: st.one_of(
     st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)),
     max_leaves=20)
 _MESSAGES = st.dictionaries(st.one_of(_FIELDS, st.text(max_size=10)), _JSON, max_size=12)
 
 
-def _check_request(request: PutRequest | GetRequest) -> None:
+def _check_request(request: transport.Request) -> None:
+    if isinstance(request, PingRequest):
+        return
     if isinstance(request, GetRequest):
         assert 0 <= request.rank and 0 <= request.step
         return

@@ -190,7 +190,9 @@ def _signal_host(host: Host, sig: signal.Signals) -> None:
 
 def test_a_frozen_host_is_fenced_out_and_the_job_goes_on(tmp_path: Path, reference: dict) -> None:
     """Two hosts and a spare; every process of the host in node slot 1 is frozen
-    (SIGSTOP) for longer than --host-ttl: once its lease expires the survivor restarts
+    (SIGSTOP: no connection is ever refused). Its supervisor stops answering heartbeats:
+    the survivor, the only other running host and so a majority, finds it unresponsive
+    long before its lease (--host-ttl 30) would expire, revokes that lease, and restarts
     the round with the spare, which pulls the frozen host's ranks from the survivor's
     memory. Woken (SIGCONT) after the job moved on, the frozen host stops its stale
     workers, waits as a spare and exits 0 when the job ends; the job's result equals an
@@ -199,9 +201,10 @@ def test_a_frozen_host_is_fenced_out_and_the_job_goes_on(tmp_path: Path, referen
     by = time.monotonic() + 400
     with EtcdServer() as etcd:
         try:
-            hosts += [Host(tmp_path, f"h{i}", _argv(tmp_path, etcd.endpoint)) for i in range(2)]
+            argv = _argv(tmp_path, etcd.endpoint, "--host-ttl", "30")
+            hosts += [Host(tmp_path, f"h{i}", argv) for i in range(2)]
             wait_for(lambda: max(_step(h) for h in hosts) >= 5, 180, "step 5", hosts, by)
-            hosts.append(Host(tmp_path, "spare", _argv(tmp_path, etcd.endpoint)))
+            hosts.append(Host(tmp_path, "spare", argv))
             store = open_store(etcd.url)
             try:
                 wait_for(lambda: read_status(store, "outage").spares == ["spare"], 60,
@@ -214,7 +217,7 @@ def test_a_frozen_host_is_fenced_out_and_the_job_goes_on(tmp_path: Path, referen
             frozen = next(h for h in hosts if slots.get(h.name) == 1)
             _signal_host(frozen, signal.SIGSTOP)
             wait_for(lambda: any(e["event"] == "rendezvous" and e["host"] == "spare"
-                                 for e in events(tmp_path / "runs")), 60,
+                                 for e in events(tmp_path / "runs")), 25,
                      "the spare to take the frozen host's place", hosts, by)
             time.sleep(2)
             _signal_host(frozen, signal.SIGCONT)
@@ -228,6 +231,9 @@ def test_a_frozen_host_is_fenced_out_and_the_job_goes_on(tmp_path: Path, referen
         assert host.proc.returncode == 0, host.output()[-4000:]
     found = events(tmp_path / "runs")
     survivor = next(h.name for h in hosts[:2] if h is not frozen)
+    unresponsive = [(e["host"], e["lost"], e["votes"]) for e in found
+                    if e["event"] == "host_unresponsive"]
+    assert unresponsive == [(survivor, frozen.name, 1)], unresponsive
     lost = [e for e in found if e["event"] == "member_lost"]
     assert lost and all(e["host"] == survivor and e["lost"] == [frozen.name] for e in lost), lost
     assert [e["host"] for e in found if e["event"] == "fenced"] == [frozen.name]

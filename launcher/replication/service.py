@@ -193,10 +193,15 @@ class ReplicationService:
         if self._gate is not None:
             self._gate.watch(pids)
 
+    def client(self, address: tuple[str, int], *, timeout: float = 30.0) -> transport.Client:
+        """A transport client (not yet connected) to the peer at ``address``."""
+        return transport.Client(address, secret=self._secret, run_id=self.run_id,
+                                timeout=timeout)
+
     def pull(self, address: tuple[str, int], rank: int, step: int) -> memory.SlotHeader:
         """Fetch ``rank``'s committed ``step`` from the peer at ``address`` into one of
         this host's own slots of that rank (verified and committed there)."""
-        client = transport.Client(address, secret=self._secret, run_id=self.run_id)
+        client = self.client(address)
         try:
             return client.pull(rank, step,
                                lambda nbytes: self.owner.write_target(rank, nbytes, replica=False))
@@ -462,8 +467,7 @@ class ReplicationService:
         try:
             client = self._clients.get(holder)
             if client is None:
-                client = self._clients[holder] = transport.Client(
-                    holder, secret=self._secret, run_id=self.run_id)
+                client = self._clients[holder] = self.client(holder)
             step = client.push(segment, pace=pacer, keep=keep, round_id=self._round_id)
         except ReplicationError as exc:
             first = holder not in self._failures

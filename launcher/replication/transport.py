@@ -36,6 +36,8 @@ Wire protocol (all integers little endian)::
     GET   c: {"op":"get", rank, step}
           s: {"ok":true, run_id, rank, step, seq, world_size, data_len, meta_hash} + meta
           s: data_len raw bytes             s: {"op":"end","stable":bool}
+    PING  c: {"op":"ping"}                 s: {"ok":true,"round":R}   (heartbeats: see
+                                           ``launcher.heartbeat``)
     any reply may instead be {"ok":false,"error":"..."}
 
 The raw data bytes are not MAC'd (an HMAC would cost more than the copy): the receiver
@@ -235,6 +237,14 @@ class GetRequest:
     step: int
 
 
+@dataclass(frozen=True)
+class PingRequest:
+    """A peer's heartbeat: is this supervisor answering?"""
+
+
+Request = PutRequest | GetRequest | PingRequest
+
+
 def _slot_fields(message: dict[str, Any], meta: bytes, run_id: str) -> memory.SlotHeader:
     if message.get("run_id") != run_id:
         raise ReplicationError(f"run id {str(message.get('run_id'))[:80]!r} is not {run_id!r}")
@@ -254,7 +264,7 @@ def _slot_fields(message: dict[str, Any], meta: bytes, run_id: str) -> memory.Sl
     return header
 
 
-def parse_request(message: dict[str, Any], blob: bytes, *, run_id: str) -> PutRequest | GetRequest:
+def parse_request(message: dict[str, Any], blob: bytes, *, run_id: str) -> Request:
     """A validated request from a client's frame."""
     op = message.get("op")
     if op == "put":
@@ -267,6 +277,10 @@ def parse_request(message: dict[str, Any], blob: bytes, *, run_id: str) -> PutRe
         if blob:
             raise ReplicationError("unexpected blob in a get request")
         return GetRequest(_int(message, "rank", 0, MAX_RANK), _int(message, "step", 0, (1 << 63) - 1))
+    if op == "ping":
+        if blob:
+            raise ReplicationError("unexpected blob in a ping")
+        return PingRequest()
     raise ReplicationError(f"unknown op {str(op)[:40]!r}")
 
 
@@ -716,8 +730,7 @@ class Server:
                 logger.exception("transport: on_reject callback failed")
 
     def _serve(self, conn: socket.socket, peer: str, source: str) -> None:
-        lower_priority(self.nice)
-        authenticated = False
+        authenticated = lowered = False
         try:
             try:
                 try:
@@ -745,6 +758,12 @@ class Server:
                 except ReplicationError as exc:
                     self._try_reply(channel, {"ok": False, "error": f"bad request: {exc}"})
                     raise ReplicationError(f"bad request: {exc}") from None
+                if isinstance(request, PingRequest):  # answered at full priority
+                    channel.send({"ok": True, "round": self.round})
+                    continue
+                if not lowered:  # a connection that moves data: at replication's priority
+                    lowered = True
+                    lower_priority(self.nice)
                 if isinstance(request, PutRequest):
                     self._put(channel, request, peer)
                 else:
@@ -992,6 +1011,24 @@ class Client:
         if reply.get("step") != header.step:
             raise ReplicationError(f"{self.peer} did not confirm step {header.step}")
         return header.step
+
+    def ping(self, timeout: float) -> str:
+        """A heartbeat: the peer's replication round, within ``timeout`` seconds (opening
+        the connection included; no second try); raises ReplicationError when none comes."""
+        with self._lock:
+            try:
+                if self._channel is None:
+                    self._channel = _connect(self.address, secret=self._secret,
+                                             run_id=self.run_id, timeout=timeout)
+                channel = self._channel
+                channel.timeout = timeout
+                channel.send({"op": "ping"})
+                round_id = parse_reply(channel.recv()[0]).get("round", "")
+                channel.timeout = self.timeout
+                return str(round_id)
+            except BaseException:
+                self._drop()
+                raise
 
     def pull(self, rank: int, step: int, target: Callable[[int], memory.Segment]) -> memory.SlotHeader:
         """Fetch committed ``step`` of ``rank`` from the peer into ``target(nbytes)`` (a
