@@ -11,16 +11,17 @@ gloo over loopback). Printed, side by side with their baselines:
    Measured twice: CPU-bound (both cores train, nothing is left for replication) and
    with each step also waiting ``DEVICE_TIME`` seconds with the CPU free
    (``--device-time``), a stand-in for a GPU host, whose CPU idles while the GPU computes;
-3. the steps redone after killing a whole host (the newest step completed before the
-   kill minus the step restored) and the time from the kill to the first completed
-   step after restore, split into detection (the survivor's worker fails), rendezvous
-   (the replacement host joins; torch's dynamic rendezvous drops the dead host after
-   its keep-alive expires), transfer (the replacement pulls its shard) and load + first
-   step; next to the same recovery from the persistent tier on local disk
-   (``--replicas 1 --persist-dir``, persisted every step). Each step here sleeps 0.2 s,
-   standing in for GPU compute that leaves the host's CPU free for replication (on
-   these two CPU-bound cores, paced replication of this state lags a few steps behind,
-   see part 2, and a host loss then costs those steps).
+3. a host lost (killed, or frozen with SIGSTOP: no connection is ever refused) -> the
+   first completed step after the restore, with 2 and 3 hosts, split into detection
+   (the first survivor to know: its worker's communication error, a refused probe of
+   the dead supervisor, or unanswered heartbeats), rendezvous (to the round with the
+   new host), transfer (the new host pulls its ranks) and load + first step; with a hot
+   spare, a replacement started at the loss, the persistent tier, and side by side
+   torchrun restoring with torch.load from a torch.save written every step to local
+   disk. About 250 MiB of state per host; each step sleeps 0.2 s, standing in for GPU
+   compute that leaves the host's CPU free;
+4. the time from a host kill until every surviving supervisor knows, with 2, 4 and 8
+   hosts (small state): the loss is broadcast, not passed around the ring.
 
     python benchmarks/replication_bench.py --repeat 3
 """
@@ -31,13 +32,16 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -151,67 +155,147 @@ def _free_port() -> int:
 
 # -- 3. host-loss recovery ------------------------------------------------------------------
 
-def host_loss(mode: list[str], etcd_endpoint: str, etcd_url: str, spare: bool = False
-              ) -> dict[str, float]:
-    """Kill the host in node slot 1 after step 10 and time the phases until rank 0
-    completes its first step after the restore. The host that takes its place is started
-    at the kill, or with ``spare`` is a spare that has been waiting (its standby workers
-    ready) since before it."""
+LOSS_MODEL = ["--n-embd", "672", "--n-head", "8", "--n-layer", "4", "--batch-size", "4"]
+"""About 250 MiB of model and AdamW state per host (one worker)."""
+KNOWS = frozenset({"worker_exit", "host_dead", "host_unresponsive", "member_lost"})
+"""Events by which a supervisor shows it knows of a failure in its round."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to lose a host and recover."""
+
+    name: str
+    args: tuple[str, ...] = ("--replicas", "2")
+    spare: bool = False  # a spare waits; else a replacement starts at the fault
+    fault: str = "kill"  # or "freeze": SIGSTOP every process of the host
+    shrink: bool = False  # --nnodes N-1:N and no replacement
+    torchrun: bool = False  # torchrun + torch.save/torch.load instead of gemini
+
+
+def _signal_tree(pid: int, sig: int) -> None:
+    import psutil
+
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def host_loss(variant: Variant, nodes: int, etcd: Any, *, model: list[str] = LOSS_MODEL,
+              kill_at: int = 10, until_known: bool = False) -> dict[str, float]:
+    """Lose the host in node slot 1 once rank 0 printed step ``kill_at`` and time the
+    phases until rank 0 completes its first step after the restore (or, with
+    ``until_known``, only until every surviving supervisor knows)."""
     with tempfile.TemporaryDirectory() as tmp, _shm() as shm:
         run_root = Path(tmp) / "runs"
         env = dict(os.environ, GEMINI_RUN_ROOT=str(run_root), PYTHONWARNINGS="ignore")
         run_id = f"loss-{os.getpid()}-{time.monotonic_ns()}"
+        low = nodes - 1 if variant.shrink else nodes
+        train = [EXAMPLE, "--steps", "400", "--sleep", str(IDLE), *model]
+        port = _free_port()
 
         def host(name: str, i: int) -> Host:
-            argv = [*GEMINI, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "etcd-v3",
-                    "--rdzv-endpoint", etcd_endpoint, "--rdzv-id", run_id,
-                    "--rdzv-conf", "last_call_timeout=1", "--store", etcd_url,
-                    "--max-restarts", "3", "--replication-addr", "127.0.0.1",
-                    *[m.replace("{tmp}", tmp) for m in mode], EXAMPLE, "--steps", "40",
-                    "--sleep", str(IDLE), *MODEL]
+            if variant.torchrun:
+                argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes",
+                        f"{low}:{nodes}", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                        "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3",
+                        "--monitor-interval", "0.1", *train, "--torch-save", f"{tmp}/ckpt.pt"]
+            else:
+                argv = [*GEMINI, "--nnodes", f"{low}:{nodes}", "--nproc-per-node", "1",
+                        "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                        "--rdzv-id", run_id, "--rdzv-conf", "last_call_timeout=1", "--store",
+                        etcd.url, "--max-restarts", "3", "--replication-addr", "127.0.0.1",
+                        *[a.replace("{tmp}", tmp) for a in variant.args], *train]
             return Host(argv, dict(env, GEMINI_HOST_ID=name, GEMINI_SHM_DIR=_shm_dir(shm, i)))
 
-        hosts = {"h0": host("h0", 0), "h1": host("h1", 1)}
-        deadline = time.monotonic() + 300
-        slots: dict[int, str] = {}
-        while len(slots) < 2 or not any(h.first(r"^step 1\d ") for h in hosts.values()):
+        hosts = {f"h{i}": host(f"h{i}", i) for i in range(nodes)}
+        try:
+            return _lose_one(variant, nodes, hosts, host, run_root, run_id, etcd, kill_at,
+                             until_known)
+        finally:
+            for h in hosts.values():
+                h.kill()
+
+
+def _lose_one(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, run_root: Path,
+              run_id: str, etcd: Any, kill_at: int, until_known: bool) -> dict[str, float]:
+    deadline = time.monotonic() + 300
+    step = re.compile(rf"^step {kill_at} ")
+    while not any(h.first(step.pattern) for h in hosts.values()):
+        if time.monotonic() > deadline:
+            raise RuntimeError("no progress:\n" + "\n".join(h.output()[-2000:] for h in hosts.values()))
+        time.sleep(0.1)
+    rank0 = next(name for name, h in hosts.items() if h.first(step.pattern))
+    if variant.torchrun:
+        victim = next(name for name in hosts if name != rank0)
+    else:
+        slots = {int(e["group_rank"]): str(e["host"]) for e in _events(run_root)  # type: ignore[call-overload]
+                 if e["event"] == "rendezvous"}
+        victim = slots[1]
+    if variant.spare:
+        hosts["new"] = host("new", nodes)
+        _wait_for_spare(etcd.url, run_id, deadline)
+        time.sleep(STANDBY_READY)
+    survivor = hosts[rank0]
+    faulted = time.time()
+    if variant.fault == "freeze":
+        _signal_tree(hosts[victim].proc.pid, signal.SIGSTOP)
+    else:
+        hosts[victim].kill()
+    if not (variant.spare or variant.shrink):
+        hosts["new"] = host("new", nodes)
+    survivors = [name for name in hosts if name not in (victim, "new")]
+    if until_known:
+        while True:
+            known = _first_known(run_root, survivors, faulted)
+            if len(known) == len(survivors):
+                return {"first knows": min(known.values()) - faulted,
+                        "every supervisor knows": max(known.values()) - faulted}
             if time.monotonic() > deadline:
-                raise RuntimeError("no progress:\n" + "\n".join(h.output()[-2000:] for h in hosts.values()))
-            slots = {int(e["group_rank"]): str(e["host"]) for e in _events(run_root)  # type: ignore[call-overload]
-                     if e["event"] == "rendezvous"}
+                raise RuntimeError(f"not every survivor learned of the loss: {known}")
             time.sleep(0.1)
-        survivor, victim = hosts[slots[0]], hosts[slots[1]]
-        if spare:
-            replacement = host("new", 2)
-            _wait_for_spare(etcd_url, run_id, deadline)
-            time.sleep(STANDBY_READY)
-        killed = time.time()
-        victim.kill()
-        if not spare:
-            replacement = host("new", 2)
-        survivor.wait(timeout=600)
-        replacement.wait(timeout=60)
-        resumed = survivor.first(r"^resumed at step", after=killed) or killed
-        first_step = survivor.first(r"^step \d+ ", after=resumed)
-        events = _events(run_root)
-        failed = next(float(e["ts"]) for e in events  # type: ignore[arg-type]
-                      if e["event"] == "worker_exit" and e["host"] == slots[0] and float(e["ts"]) > killed)  # type: ignore[arg-type]
-        plan = next(e for e in events if e["event"] == "restore_plan" and e["host"] == "new")
-        transfer = float(plan["transfer_seconds"])  # type: ignore[arg-type]
-        planned = float(plan["ts"])  # type: ignore[arg-type]
-        if first_step is None:
+    while (first_step := survivor.first(r"^step \d+ ", after=survivor.first(
+            r"^resumed at step", after=faulted) or 1e18)) is None:
+        if time.monotonic() > deadline:
             raise RuntimeError(survivor.output()[-3000:])
-        want = "persist" if "--persist-dir" in mode else "peer"
-        if set(plan["sources"].values()) != {want}:  # type: ignore[union-attr]
-            plans = [e for e in events if e["event"] in ("restore_plan", "replication_failed")]
-            raise RuntimeError(f"expected a restore from {want}: {plans}\n{survivor.output()[-3000:]}")
-        done = [int(m.group(1)) for t, line in list(survivor.lines) if t <= killed
-                and (m := re.match(r"step (\d+) ", line))]
-        restored = plan["step"] if plan["step"] is not None else -1
-        return {"steps redone": max(done, default=-1) - int(restored),  # type: ignore[call-overload]
-                "detection": failed - killed, "rendezvous": planned - transfer - failed,
-                "transfer": transfer, "load + first step": first_step - planned,
-                "total": first_step - killed}
+        time.sleep(0.1)
+    resumed = survivor.first(r"^resumed at step", after=faulted)
+    match = next(re.match(r"resumed at step (\d+)", line) for t, line in survivor.lines
+                 if t == resumed)
+    assert match is not None
+    done = [int(m.group(1)) for t, line in list(survivor.lines) if t <= faulted
+            and (m := re.match(r"step (\d+) ", line))]
+    result = {"steps redone": max(done, default=-1) - (int(match.group(1)) - 1),
+              "total": first_step - faulted}
+    if variant.torchrun:
+        return result
+    events = _events(run_root)
+    known = _first_known(run_root, survivors, faulted)
+    detected = min(known.values())
+    plans = [e for e in events if e["event"] == "restore_plan" and float(e["ts"]) > faulted]  # type: ignore[arg-type]
+    plan = next((e for e in plans if e["host"] == "new"), plans[-1])
+    transfer = float(plan["transfer_seconds"])  # type: ignore[arg-type]
+    planned = float(plan["ts"])  # type: ignore[arg-type]
+    want = ({"persist"} if "--persist-dir" in variant.args else {"peer"} if plan["host"] == "new"
+            else {"memory"})
+    if not set(plan["sources"].values()) <= want:  # type: ignore[union-attr]
+        raise RuntimeError(f"expected a restore from {want}: {plan}")
+    return {**result, "detection": detected - faulted, "rendezvous": planned - transfer - detected,
+            "transfer": transfer, "load + first step": first_step - planned}
+
+
+def _first_known(run_root: Path, survivors: list[str], after: float) -> dict[str, float]:
+    """When each surviving supervisor first showed it knew of the loss."""
+    known: dict[str, float] = {}
+    for e in _events(run_root):
+        ts, name = float(e["ts"]), str(e["host"])  # type: ignore[arg-type]
+        if e["event"] in KNOWS and ts > after and name in survivors and name not in known:
+            known[name] = ts
+    return known
 
 
 def _wait_for_spare(etcd_url: str, run_id: str, deadline: float) -> None:
@@ -233,7 +317,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="256M,1G", help="slot sizes for the throughput table")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40, help="steps per slowdown run")
-    parser.add_argument("--skip", default="", help="comma-separated parts to skip: 1,2,3")
+    parser.add_argument("--skip", default="", help="comma-separated parts to skip: 1,2,3,4")
+    parser.add_argument("--hosts", type=lambda t: [int(n) for n in t.split(",")],
+                        default=[2, 3], help="host counts of part 3")
+    parser.add_argument("--scaling", type=lambda t: [int(n) for n in t.split(",")],
+                        default=[2, 4, 8], help="host counts of part 4")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     out: list[str] = [f"machine: {machine()}", f"medians of {args.repeat} runs", ""]
@@ -292,28 +380,57 @@ def main() -> None:
     if "3" not in skip:
         from etcd_server import EtcdServer
 
-        peer = ["--replicas", "2"]
-        variants = {"peer memory, hot spare": (peer, True),
-                    "peer memory, replacement started at the kill": (peer, False),
-                    "persistent tier (local disk), replacement started at the kill": (
-                        ["--replicas", "1", "--persist-dir", "{tmp}/persist", "--persist-every",
-                         "1"], False)}
+        variants = [Variant("peer memory, hot spare", spare=True),
+                    Variant("peer memory, hot spare, frozen host", spare=True, fault="freeze"),
+                    Variant("peer memory, replacement started at the kill"),
+                    Variant("persistent tier (local disk), replacement started at the kill",
+                            args=("--replicas", "1", "--persist-dir", "{tmp}/persist",
+                                  "--persist-every", "1")),
+                    Variant("torchrun + torch.save/torch.load (local disk), replacement "
+                            "started at the kill", torchrun=True)]
         phases = ("detection", "rendezvous", "transfer", "load + first step", "total")
+        for nodes in args.hosts:
+            rows = []
+            results: dict[str, list[dict[str, float]]] = {v.name: [] for v in variants}
+            with EtcdServer() as etcd:
+                for _ in range(args.repeat):
+                    for variant in variants:  # interleaved
+                        results[variant.name].append(host_loss(variant, nodes, etcd))
+            baseline = statistics.median(r["total"] for r in results[variants[-1].name])
+            for name, runs in results.items():
+                medians = {k: statistics.median(r[k] for r in runs) if k in runs[0] else None
+                           for k in phases}
+                redone = statistics.median(r["steps redone"] for r in runs)
+                rows.append([name, f"{redone:g}",
+                             *(f"{v:.2f} s" if v is not None else "-" for v in medians.values()),
+                             f"{baseline / medians['total']:.1f}x"])  # type: ignore[operator]
+            out += [f"3. host loss -> first completed step after restore ({nodes} hosts x 1 "
+                    f"worker, {' '.join(LOSS_MODEL)}: about 250 MiB of state per host; "
+                    f"etcd-v3 rendezvous for gemini, c10d for torchrun; {IDLE} s idle per "
+                    "step)", "",
+                    table(["restore from", "steps redone", *phases, "speed-up vs torchrun"],
+                          rows), ""]
+            flush()
+
+    if "4" not in skip:
+        from etcd_server import EtcdServer
+
         rows = []
-        results: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
-        with EtcdServer() as etcd:
-            for _ in range(args.repeat):
-                for name, (mode, spare) in variants.items():  # interleaved
-                    results[name].append(host_loss(mode, etcd.endpoint, etcd.url, spare))
-        ours = statistics.median(r["total"] for r in results["peer memory, hot spare"])
-        for name, runs in results.items():
-            medians = {k: statistics.median(r[k] for r in runs) for k in phases}
-            redone = statistics.median(r["steps redone"] for r in runs)
-            rows.append([name, f"{redone:g}", *(f"{medians[k]:.2f} s" for k in phases),
-                         f"{medians['total'] / ours:.2f}x"])
-        out += ["3. host kill -> first completed step after restore (2 hosts x 1 worker, etcd-v3 "
-                f"rendezvous, {IDLE} s idle per step)", "",
-                table(["restore from", "steps redone", *phases, "vs hot spare"], rows), ""]
+        two: float | None = None
+        for nodes in args.scaling:
+            runs = []
+            with EtcdServer() as etcd:
+                for _ in range(args.repeat):
+                    runs.append(host_loss(Variant("kill"), nodes, etcd, model=[],
+                                          until_known=True))
+            first = statistics.median(r["first knows"] for r in runs)
+            every = statistics.median(r["every supervisor knows"] for r in runs)
+            two = every if two is None else two
+            rows.append([str(nodes), f"{first:.2f} s", f"{every:.2f} s", f"{every / two:.2f}x"])
+        out += ["4. host kill -> every surviving supervisor knows (1 worker per host, the "
+                "example's default model; no replacement)", "",
+                table(["hosts", "first knows", "every supervisor knows",
+                       f"vs {args.scaling[0]} hosts"], rows), ""]
     flush()
 
 

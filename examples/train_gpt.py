@@ -166,7 +166,35 @@ def parse_args() -> argparse.Namespace:
                              "median step with and without a save (benchmarks)")
     parser.add_argument("--no-checkpoint", action="store_true",
                         help="do not save to gemini's in-memory tier (for overhead baselines)")
+    parser.add_argument("--torch-save", metavar="PATH",
+                        help="instead of gemini's hook, rank 0 writes the state to PATH with "
+                             "torch.save (and fsync) every step, and every rank resumes from "
+                             "it with torch.load: a plain torchrun job (benchmark baselines)")
     return parser.parse_args()
+
+
+def save_to_disk(path: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """What a torchrun job does: the whole state to a file, atomically replaced."""
+    partial = f"{path}.partial"
+    with open(partial, "wb") as fh:
+        torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict()}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(partial, path)
+
+
+def load_from_disk(path: str, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   scheduler: torch.optim.lr_scheduler.LRScheduler) -> int:
+    """The first step to run after the state in ``path`` (0 without one)."""
+    if not os.path.exists(path):
+        return 0
+    state = torch.load(path, map_location="cpu")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    return int(state["step"]) + 1
 
 
 def setup(device_kind: str, seed: int) -> tuple[int, int, torch.device]:
@@ -245,11 +273,15 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
     # gemini's hook: model, optimizer, scheduler and RNG states in memory every step.
     ckpt = Checkpointer(model=model, optimizer=optimizer, extra={"scheduler": scheduler})
-    start = ckpt.restore()
+    if args.torch_save:
+        args.no_checkpoint = True
+        start = load_from_disk(args.torch_save, model, optimizer, scheduler)
+    else:
+        start = ckpt.restore()
     if rank == 0 and start > 0:
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        print(f"resumed at step {start} from the in-memory checkpoint (restart {restarts})",
-              flush=True)
+        where = args.torch_save or "the in-memory checkpoint"
+        print(f"resumed at step {start} from {where} (restart {restarts})", flush=True)
     loss = float("nan")
     step_times = []
     stalls = []  # per step: seconds the loop spent blocked in gemini's save() and waits
@@ -268,6 +300,8 @@ def main() -> None:
             args.alternate_saves <= 0 or (step // args.alternate_saves) % 2 == 0)
         if saving:
             ckpt.save(step)  # a large state finishes copying in the background
+        elif args.torch_save and rank == 0:
+            save_to_disk(args.torch_save, step, model, optimizer, scheduler)
         step_times.append(time.perf_counter() - began)
         stalls.append(ckpt.stalled - stalled)
         by_saving[saving].append(step_times[-1])

@@ -121,8 +121,8 @@ def _render(report: dict[str, Any], probability: Fraction) -> None:
         console.print("no peer replicas: a lost host's checkpoint comes from persistent storage")
     if report["memory_per_host_bytes"] is not None:
         state = _size(report["state_bytes"])
-        parts = (f"2 slots x {m + 1} copies x {state}: its own, the copy it keeps of what it "
-                 f"replicates, {m - 1} peer{_s(m - 1)}" if m > 1 else f"2 slots x {state}")
+        parts = (f"2 slots x {m} copies x {state}: its own and {m - 1} peer{_s(m - 1)}"
+                 if m > 1 else f"2 slots x {state}")
         console.print(f"CPU memory per host: [bold]{_size(report['memory_per_host_bytes'])}[/] "
                       f"({parts})")
 

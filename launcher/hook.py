@@ -335,6 +335,7 @@ class Checkpointer:
         self._prefix = os.environ.get(ENV_PREFIX, "")
         self.active = bool(self._address and self._prefix)
         self._segments: list[memory.Segment | None] = [None, None]
+        self._pins: memory.Segment | None = None  # the steps the slots keep (memory.PINS)
         self._newest: int | None = None  # slot index holding the newest committed step
         self._seq = 0
         self._worker: _Worker | None = None
@@ -354,6 +355,9 @@ class Checkpointer:
         # Seconds the training loop has spent blocked in save() and in waits for a copy
         # (wait(), the optimizer pre-step hook): how long checkpointing has stalled it.
         self.stalled = 0.0
+        # Saves skipped because both slots held a step the supervisor pinned (replication
+        # of one step still in flight while the other is the globally restorable one).
+        self.skipped = 0
         if not self.active:
             _warn_inactive()
             return
@@ -422,6 +426,13 @@ class Checkpointer:
         self._wait()
         if not self.active or self._closed:
             return
+        index = self._next_slot()
+        if index is None:
+            self.skipped += 1
+            if self.skipped == 1:
+                logger.info("gemini: rank %d skips saves while both its slots hold steps "
+                            "that replication keeps (step %d first)", self.rank, step)
+            return
         state = self._capture()
         ready = None  # where the training stream stands: the GPU copies start there
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
@@ -436,7 +447,7 @@ class Checkpointer:
             encoded = self._encode(state)
         done = threading.Event()
         self._pending = done
-        self._worker.submit(lambda: self._copy(step, state, encoded, ready), done)
+        self._worker.submit(lambda: self._copy(index, step, state, encoded, ready), done)
 
     def wait(self) -> None:
         """Block until the last ``save`` is committed; re-raise its error, if any."""
@@ -472,6 +483,8 @@ class Checkpointer:
                 if segment is not None:
                     self._unpin(segment)
                     segment.close()
+            if self._pins is not None:
+                self._pins.close()
             if self._beat_view is not None and self._heartbeat is not None:
                 self._beat_view[0] = memory.HEARTBEAT_DONE  # no hang from here on
                 self._beat_view.release()
@@ -549,6 +562,20 @@ class Checkpointer:
             header = memory.read_header(segment.view) if segment is not None else None
             if header is not None:
                 self._seq = max(self._seq, header.seq)
+
+    def _next_slot(self) -> int | None:
+        """The slot the next save writes: the older one, unless it holds a step the
+        supervisor pinned, then the newer one, unless that one does too (None: skip)."""
+        order = [0, 1] if self._newest is None else [1 - self._newest, self._newest]
+        if self._pins is None:
+            name = memory.pins_name(self._prefix, self.rank)
+            if not (memory.SHM_DIR / name).exists():
+                return order[0]
+            self._pins = memory.attach_segment(name, populate=False)
+        kept = memory.pinned_slots(
+            [memory.read_header(seg.view) if seg is not None else None for seg in self._segments],
+            memory.read_pins(self._pins.view))
+        return next((i for i in order if i not in kept), None)
 
     def _find(self, step: int) -> int | None:
         return _newest_holding(step, [memory.read_header(segment.view) if segment else None
@@ -644,17 +671,16 @@ class Checkpointer:
         tensors: list[tuple[str, torch.Tensor]] = []
         return _encode(state, "", tensors, self._memo), tensors
 
-    def _copy(self, step: int, state: dict[str, Any],
+    def _copy(self, index: int, step: int, state: dict[str, Any],
               encoded: tuple[str, list[tuple[str, torch.Tensor]]] | None, ready: Any) -> None:
         try:
-            self._write(step, *(encoded or self._encode(state)), ready)
+            self._write(index, step, *(encoded or self._encode(state)), ready)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
 
-    def _write(self, step: int, tree: str, tensors: list[tuple[str, torch.Tensor]],
+    def _write(self, index: int, step: int, tree: str, tensors: list[tuple[str, torch.Tensor]],
                ready: Any) -> None:
-        """Copy the state (``tree``: its skeleton's JSON) into the older slot and commit it."""
-        index = 0 if self._newest is None else 1 - self._newest
+        """Copy the state (``tree``: its skeleton's JSON) into slot ``index`` and commit it."""
         layout = self._layout_for(index, tensors, len(tree))
         buf = layout.segment.view
         memory.set_state(buf, memory.SlotState.WRITING)

@@ -147,6 +147,49 @@ def heartbeat_name(prefix: str) -> str:
     return prefix + HEARTBEAT_SUFFIX
 
 
+#: A rank's pins (written by its supervisor, ``SlotOwner.pin_own``, read by its worker):
+#: two steps its own slots must keep, which a save never overwrites: s*, the newest step
+#: every holder of every rank has (a host loss restores it), and the replication target
+#: (the first committed step at or after it is being pushed from its slot); -1: none.
+PINS = struct.Struct("<qq")
+
+
+def pins_name(prefix: str, rank: int) -> str:
+    return f"{prefix}p{rank}"
+
+
+_PINS_NAME = re.compile(r"^(gemini-[0-9a-f]{12}-[A-Za-z0-9_.]+-)p\d+$")
+
+
+def pins_prefix(name: str) -> str | None:
+    """The run and host prefix of a pins segment's name, or None for other files."""
+    match = _PINS_NAME.match(name)
+    return match.group(1) if match else None
+
+
+def read_pins(buf: mmap.mmap) -> tuple[int, int]:
+    sstar, target = PINS.unpack_from(buf, 0)
+    return int(sstar), int(target)
+
+
+def write_pins(buf: mmap.mmap, sstar: int, target: int) -> None:
+    PINS.pack_into(buf, 0, sstar, target)
+
+
+def pinned_slots(headers: list[SlotHeader | None], pins: tuple[int, int]) -> set[int]:
+    """The indexes of the slots (of one rank's pair, by ``headers``) that hold a pinned
+    step: the one holding s*, and the one holding the first committed step at or after
+    the target."""
+    sstar, target = pins
+    steps = {i: h.step for i, h in enumerate(headers)
+             if h is not None and h.state is SlotState.COMMITTED}
+    kept = {i for i, step in steps.items() if sstar >= 0 and step == sstar}
+    due = [(step, i) for i, step in steps.items() if target >= 0 and step >= target]
+    if due:
+        kept.add(min(due)[1])
+    return kept
+
+
 # -- where segments live ------------------------------------------------------------------
 _SHM_DIR: Path | None = None
 

@@ -90,6 +90,10 @@ class SlotOwner:
         self._slots: dict[int, list[memory.Segment | None]] = {}
         self._replicas: dict[int, list[memory.Segment | None]] = {}  # copies for peer hosts
         self._pins: dict[int, int] = {}  # rank -> the replica step no write may overwrite
+        self._own_pins: dict[int, memory.Segment] = {}  # rank -> its pins (memory.PINS)
+        self.copies = 1
+        """Copies of each rank's checkpoint this host keeps: its own ranks' and, with
+        replication, those of the peers it holds replicas for (placement's m)."""
         self._keep = False
         for n in range(1 if fixed_host_id else 1024):
             self.host_id = host_id if n == 0 else f"{host_id}-{n}"
@@ -151,7 +155,8 @@ class SlotOwner:
         """Unmap and unlink every slot and the owner file (idempotent); with
         :meth:`keep_segments`, unmap only."""
         with self._lock:
-            for pair in [*self._slots.values(), *self._replicas.values()]:
+            pins: list[memory.Segment | None] = list(self._own_pins.values())
+            for pair in [*self._slots.values(), *self._replicas.values(), pins]:
                 for segment in pair:
                     if segment is not None:
                         segment.close()
@@ -159,6 +164,7 @@ class SlotOwner:
                             memory.unlink_segment(segment.name)
             self._slots.clear()
             self._replicas.clear()
+            self._own_pins.clear()
             if self._keep:
                 return
             for name in memory.list_segments(self.prefix):
@@ -178,6 +184,11 @@ class SlotOwner:
             return [memory.slot_name(self.prefix, rank, i, replica=replica) for i in range(2)]
 
     def _allocate(self, rank: int, nbytes: int, replica: bool) -> list[memory.Segment | None]:
+        if not replica and rank not in self._own_pins:
+            segment = memory.create_segment(memory.pins_name(self.prefix, rank),
+                                            memory.PINS.size)
+            memory.write_pins(segment.view, -1, -1)
+            self._own_pins[rank] = segment
         pair = (self._replicas if replica else self._slots).setdefault(rank, [None, None])
         kept = self._kept_index(pair, self._pins.get(rank) if replica else None)
         grow = [i for i, seg in enumerate(pair)
@@ -239,13 +250,22 @@ class SlotOwner:
             if step > self._pins.get(rank, -1):
                 self._pins[rank] = step
 
+    def pin_own(self, rank: int, sstar: int, target: int) -> None:
+        """Tell ``rank``'s worker which steps its own slots must keep (see
+        ``memory.PINS``): its saves never overwrite them, skipping a save while both
+        slots hold one. A rank without slots yet has nothing to keep."""
+        with self._lock:
+            segment = self._own_pins.get(rank)
+            if segment is not None and segment.buf is not None:
+                memory.write_pins(segment.view, sstar, target)
+
     def pinned(self, rank: int) -> int | None:
         with self._lock:
             return self._pins.get(rank)
 
     def reset_pins(self, step: int) -> None:
-        """Pin ``step`` for every rank (the step a new round restored), or nothing for a
-        negative ``step``."""
+        """Pin ``step`` for every rank (the step a new round restored) in the replica
+        slots, or nothing for a negative ``step``."""
         with self._lock:
             self._pins = {rank: step for rank in self._replicas} if step >= 0 else {}
 
@@ -293,23 +313,27 @@ class SlotOwner:
             raise StorageError(self._too_small(nbytes, free))
 
     def check_capacity(self, rank: int, nbytes: int) -> None:
-        """Raise StorageError now if slots of ``nbytes`` for every local rank cannot fit."""
+        """Raise StorageError now if slots of ``nbytes`` for every local rank cannot fit,
+        with :attr:`copies` copies of each (its own and the peers' it keeps a replica of,
+        taken to be as large)."""
         with self._lock:
-            have = sum(seg.size for pair in self._slots.values() for seg in pair
-                       if seg is not None)
-            total = 2 * nbytes * self.local_world_size
+            have = sum(seg.size for pair in [*self._slots.values(), *self._replicas.values()]
+                       for seg in pair if seg is not None)
+            total = 2 * self.copies * nbytes * self.local_world_size
             free = memory.shm_free_bytes()
             if total - have > free:
                 raise StorageError(self._too_small(nbytes, free))
 
     def _too_small(self, nbytes: int, free: int) -> str:
-        total = 2 * nbytes * self.local_world_size
+        total = 2 * self.copies * nbytes * self.local_world_size
+        copies = f" x {self.copies} copies (its own, {self.copies - 1} of peers)" * (
+            self.copies > 1)
         held = sum(_size(memory.SHM_DIR / name)
                    for names in find_leftovers().values() for name in names)
         leftovers = (f" ({held} more are held by the segments of dead runs: `gemini clean` "
                      f"frees them)" if held else "")
         return (f"{memory.SHM_DIR} is too small for in-memory checkpoints: need {total} bytes "
-                f"(2 slots x {nbytes} bytes x {self.local_world_size} local ranks), "
+                f"(2 slots x {nbytes} bytes x {self.local_world_size} local ranks{copies}), "
                 f"{free} bytes available{leftovers}; enlarge it (e.g. docker run --shm-size) "
                 f"or use fewer workers per host")
 
@@ -650,7 +674,7 @@ def find_leftovers() -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for name in memory.list_segments():
         parsed = memory.parse_slot_name(name)
-        prefix = parsed[0] if parsed else next(
+        prefix = parsed[0] if parsed else memory.pins_prefix(name) or next(
             (name[: -len(suffix)] for suffix in (OWNER_SUFFIX, memory.HEARTBEAT_SUFFIX)
              if name.endswith(suffix)), None)
         if prefix is not None:

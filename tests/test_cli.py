@@ -127,3 +127,30 @@ def test_template_slurm_uses_slurm_variables() -> None:
     assert "$SLURM_JOB_ID" in done.stdout
     done = subprocess.run(["bash", "-n"], input=done.stdout, text=True, capture_output=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize(("spares", "nnodes"), [("", "3:3"), ("1", "2:2")])
+def test_template_slurm_keeps_the_nodes_past_the_group_as_spares(
+        tmp_path: Path, spares: str, nnodes: str) -> None:
+    """The sbatch script run with stand-ins for srun and scontrol: with GEMINI_SPARES=1
+    on a 3-node allocation the group has 2 nodes (every node runs `gemini run`; the third
+    waits as a spare)."""
+    script = tmp_path / "job.sbatch"
+    script.write_text(run([*GEMINI, "template", "slurm"]).stdout)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/srun.args\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_NUM_NODES": "3",
+           "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-3]", "GEMINI_SPARES": spares}
+    done = subprocess.run(["bash", str(script), "train.py"], env=env, text=True,
+                          capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    args = (tmp_path / "srun.args").read_text().split()
+    assert args[args.index("--nnodes") + 1] == nnodes, args
+    env["GEMINI_SPARES"] = "3"
+    done = subprocess.run(["bash", str(script), "train.py"], env=env, text=True,
+                          capture_output=True, timeout=60)
+    assert done.returncode == 2 and "leaves no node" in done.stderr

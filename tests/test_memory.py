@@ -604,7 +604,7 @@ def test_adoption_and_clean_of_dead_owner(run_id: str) -> None:
     subprocess.run([sys.executable, "-c", _DIE_WITH_SEGMENTS, run_id], check=True, timeout=60)
     prefix = memory.segment_prefix(run_id, "h0")
     left = memory.list_segments(prefix)
-    assert len(left) == 4  # two slots, the heartbeats (launcher.health), the owner file
+    assert len(left) == 5  # two slots, their pins, the heartbeats (launcher.health), the owner
     assert prefix in find_leftovers()
     owner = SlotOwner(run_id=run_id, host_id="h0", local_world_size=1)  # adopts
     assert prefix not in find_leftovers()  # live owner now
@@ -932,3 +932,55 @@ def test_the_slot_socket_serves_only_this_supervisors_workers(supervisor: SlotSe
     assert supervisor.fatal is None
     assert memory.list_segments(supervisor.owner.prefix) == [
         n for n in memory.list_segments(supervisor.owner.prefix) if n.endswith("owner")]
+
+
+def test_pinned_slots_are_the_ones_holding_sstar_and_the_first_step_at_the_target() -> None:
+    def header(step: int, state: memory.SlotState = memory.SlotState.COMMITTED
+               ) -> memory.SlotHeader:
+        return memory.SlotHeader(state, step, 1, 0, 1, 0, 0, 0, 0, 0, "r")
+
+    pair = [header(4), header(6)]
+    assert memory.pinned_slots(pair, (-1, -1)) == set()
+    assert memory.pinned_slots(pair, (4, -1)) == {0}
+    assert memory.pinned_slots(pair, (4, 5)) == {0, 1}  # 6: the first step >= 5
+    assert memory.pinned_slots(pair, (4, 3)) == {0}  # 4 is the first step >= 3 (and s*)
+    assert memory.pinned_slots(pair, (2, 7)) == set()  # neither is held: both may go
+    assert memory.pinned_slots([header(4, memory.SlotState.WRITING), header(6)],
+                               (4, 8)) == set()  # a slot being written holds nothing
+
+
+def test_saves_never_overwrite_pinned_steps_and_skip_when_both_are(
+        supervisor: SlotServer) -> None:
+    """The supervisor pins s* and the replication target of rank 0 (``pin_own``): a save
+    writes the older slot unless it holds a pinned step, then the newer; with both slots
+    pinned it is skipped (and counted), and resumes once a pin moves on."""
+    owner = supervisor.owner
+    model, opt = _model()
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+
+    def steps() -> list[int]:
+        return sorted(s.valid_step for s in memory.iter_slots(owner.prefix)
+                      if s.valid_step is not None)
+
+    for step in range(2):
+        _train(model, opt)
+        ckpt.save(step)
+    ckpt.wait()
+    assert steps() == [0, 1]
+    owner.pin_own(0, 0, -1)  # s* = 0: step 2 goes over step 1, the newer slot
+    _train(model, opt)
+    ckpt.save(2)
+    ckpt.wait()
+    assert steps() == [0, 2]
+    owner.pin_own(0, 0, 2)  # and step 2 is being pushed: step 3 is skipped
+    _train(model, opt)
+    ckpt.save(3)
+    ckpt.wait()
+    assert steps() == [0, 2] and ckpt.skipped == 1
+    owner.pin_own(0, 2, 5)  # step 2 is the new s*: step 4 goes over step 0
+    _train(model, opt)
+    ckpt.save(4)
+    ckpt.wait()
+    assert steps() == [2, 4] and ckpt.skipped == 1
+    ckpt.close()

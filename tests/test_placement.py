@@ -160,8 +160,8 @@ def test_recovery_probability_scales() -> None:
 
 def test_memory_per_host() -> None:
     gib = 1 << 30
-    assert memory_per_host(gib, 2) == 6 * gib  # 2 own slots + 2 of their copy + 2 of one peer's
-    assert memory_per_host(gib, 3) == 8 * gib
+    assert memory_per_host(gib, 2) == 4 * gib  # 2 own slots + 2 of one peer's
+    assert memory_per_host(gib, 3) == 6 * gib
     assert memory_per_host(100, 1) == 200  # no peers: the double buffer only
     assert memory_per_host(0, 4) == 0
     with pytest.raises(ConfigError):
@@ -195,7 +195,7 @@ def test_cli_json() -> None:
     assert report["failures"] == 2
     assert report["probability_exact"] == str(recovery_probability(5, 2, 2)) == "3/5"
     assert report["probability"] == pytest.approx(0.6)  # lost: {0,1} and any 2 of the ring 2,3,4
-    assert report["memory_per_host_bytes"] == 6 * (512 << 20)  # 2 slots x (own, its kept copy, 1 peer)
+    assert report["memory_per_host_bytes"] == 4 * (512 << 20)  # 2 slots x (own, 1 peer)
 
 
 def test_cli_json_without_state_bytes() -> None:
@@ -212,7 +212,7 @@ def test_cli_human() -> None:
                timeout=60)
     assert done.returncode == 0, done.output
     assert "93.3%" in done.stdout and "14/15" in done.stdout
-    assert "12.0 GiB" in done.stdout  # 2 slots x 3 copies x 2 GiB
+    assert "8.0 GiB" in done.stdout  # 2 slots x 2 copies x 2 GiB
     assert "14 -> 15" in done.stdout and "group" in done.stdout
     three = run([*GEMINI, "plan", "--nodes", "16", "--failures", "3"], timeout=60)
     assert three.returncode == 0 and "80.0%" in three.stdout

@@ -53,7 +53,8 @@ def _reference(tmp: Path, world: int, *train: str) -> dict:
 def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
                      nproc: int = 2, spares: int = 0, kill_at: int = 20,
                      train: tuple[str, ...] = (), replace_after: float = 0.0,
-                     probe: Callable[[EtcdServer], None] | None = None) -> list[dict]:
+                     probe: Callable[[EtcdServer, list[Host]], None] | None = None
+                     ) -> list[dict]:
     """Train on ``nodes`` hosts of ``nproc`` workers; once rank 0 printed step ``kill_at``
     kill the hosts in node slots ``victims`` and start one replacement each,
     ``replace_after`` seconds later (or, with ``spares``, start that many more hosts
@@ -86,7 +87,7 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
                   180, f"step {kill_at}", hosts, by)
             assert not {f"new{i}" for i in range(spares)} & set(_slots(tmp))  # waiting
             if probe is not None:
-                probe(etcd)
+                probe(etcd, hosts)
             for slot in victims:
                 next(h for h in hosts if h.name == by_slot[slot]).kill()
             killed = time.time()
@@ -105,13 +106,38 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
             if e["event"] == "restore_plan" and float(e["ts"]) > killed]  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("nodes", "every"), [(3, 3), (4, 1)])
-def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int, every: int) -> None:
+def _memory_bound(replicas: int, nproc: int) -> Callable[[EtcdServer, list[Host]], None]:
+    """A probe: once replication has completed a step, each host's shared memory (its
+    files, as its own mount namespace sees them) holds at most 2 x m x the state of its
+    ranks, plus small metadata: two slots per own rank, two per rank of m - 1 peers."""
+    def probe(etcd: EtcdServer, hosts: list[Host]) -> None:
+        wait_for(lambda: any(e["event"] == "replication_progress"
+                             for e in events(hosts[0].log.parent / "runs")), 60,
+                 "a replicated step", hosts)
+        for host in [h for h in hosts if h.name.startswith("h")]:
+            shm = (Path(f"/proc/{host.proc.pid}/root") / str(host.shm).lstrip("/")
+                   if host.private_mount else host.shm)
+            files = {f.name: f.stat().st_size for f in shm.glob("gemini-*/gemini-*")}
+            own = [size for name, size in files.items() if re.search(r"-r\d+-s[01]$", name)]
+            replicas_held = [n for n in files if re.search(r"-x\d+-s[01]$", n)]
+            assert len(own) == 2 * nproc, files
+            assert len(replicas_held) == 2 * (replicas - 1) * nproc, files
+            state = max(own)
+            assert sum(files.values()) <= 2 * replicas * state * nproc + (1 << 20), (
+                host.name, files)
+    return probe
+
+
+@pytest.mark.parametrize(("nodes", "every", "replicas"), [(3, 3, 3), (4, 1, 2)])
+def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int, every: int,
+                                            replicas: int) -> None:
     """Kill the host in node slot 1 (its supervisor, workers and memory) and start a
     replacement: it pulls its ranks from a peer's memory. With --replicate-every 3 only
-    every third step is replicated, so the survivors may need theirs back from peers too."""
+    every third step is replicated, so the survivors may need theirs back from peers too.
+    Before the kill, each host's shared memory holds 2 x m x its state, no more."""
     reference = _reference(tmp_path, 2 * nodes)
-    plans = _run_and_replace(tmp_path, nodes, [1], "--replicate-every", str(every))
+    plans = _run_and_replace(tmp_path, nodes, [1], "--replicate-every", str(every),
+                             "--replicas", str(replicas), probe=_memory_bound(replicas, 2))
     assert {p["host"] for p in plans} == {"new0"} | {f"h{i}" for i in range(nodes)} - {"h1"}, plans
     assert len({p["step"] for p in plans}) == 1 and plans[0]["step"] >= 15, plans
     assert plans[0]["step"] % every == 0, plans
@@ -183,7 +209,7 @@ def test_a_replica_torn_by_the_loss_is_never_chosen(tmp_path: Path) -> None:
     reference = _reference(tmp_path, 2, *STATE)
     at_kill: list[Plan] = []
 
-    def mid_push(etcd: EtcdServer) -> None:
+    def mid_push(etcd: EtcdServer, hosts: list[Host]) -> None:
         store = open_store(etcd.url)
         try:
             def pushing() -> bool:
@@ -217,7 +243,7 @@ def test_spares_wait_without_disturbing_the_group(tmp_path: Path, spares: int) -
     """One or two spares started while two hosts train: the group never restarts for
     them; the loss of a host costs exactly one recovery round, in which one spare takes
     its place while any other keeps waiting, and ends when the job does."""
-    def status(etcd: EtcdServer) -> None:
+    def status(etcd: EtcdServer, hosts: list[Host]) -> None:
         done = run([*GEMINI, "status", "--json", "--store", etcd.url, "--run-id", "repl"],
                    env=env_with(tmp_path), timeout=60)
         assert done.returncode == 0, done.output

@@ -182,21 +182,22 @@ def recovery_probability(nodes: int, replicas: int, failures: int) -> Fraction:
 
 
 def memory_per_host(state_bytes: int, replicas: int) -> int:
-    """Bytes of CPU memory one host needs for in-memory checkpoints: ``2 * m * state_bytes``
-    without replication (m = 1), ``2 * (m + 1) * state_bytes`` with it.
+    """Bytes of CPU memory one host needs for in-memory checkpoints: ``2 * m *
+    state_bytes``.
 
     ``state_bytes`` is one host's checkpoint size (all its local ranks). The host keeps its
     own checkpoint in two slots (double buffering: the newest committed step stays intact
-    while the next one is written); with replication, two more slots hold its copy of the
-    steps it replicates (so that it still has them when replication lags behind its
-    double buffer), and for each of the ``m - 1`` peers whose shards it keeps, two replica
-    slots. Pass the effective ``m`` (``Placement.replicas``).
+    while the next one is written; with replication the slots also keep the globally
+    restorable step s* and the step being pushed, which saves never overwrite), and for
+    each of the ``m - 1`` peers whose shards it keeps, two replica slots (a torn transfer
+    never replaces the last complete replica). Pass the effective ``m``
+    (``Placement.replicas``).
     """
     if state_bytes < 0:
         raise ConfigError(f"state bytes must be at least 0, got {state_bytes}", field="state_bytes")
     if replicas < 1:
         raise ConfigError(f"replicas must be at least 1, got {replicas}", field="replicas")
-    return 2 * (replicas + (1 if replicas > 1 else 0)) * state_bytes
+    return 2 * replicas * state_bytes
 
 
 def _multiply(a: list[int], b: list[int], degree: int) -> list[int]:

@@ -2,18 +2,19 @@
 
 The invariant: at every moment there is a step s* such that, after the loss of any single
 host (or of any set of hosts the placement survives), every rank can restore s* from a
-copy that is still in memory: its own host keeps a copy of s* in a replica slot, and every
-holder of the rank keeps its replica of s*. Neither is overwritten until a newer step is
+copy that is still in memory: one of its own host's two slots keeps s*, and every holder
+of the rank keeps its replica of s*. Neither is overwritten until a newer step is
 complete in the same sense (``SlotOwner.pin``: one replica slot keeps s* while the other
-takes the next step).
+takes the next step; ``SlotOwner.pin_own``: the worker's saves skip the slot holding s*
+and the one being pushed).
 
 Replication moves in lock step, one *target* at a time, all hosts on the same step:
 
 1. The leader (node 0 of the round) publishes a :class:`Plan`: s* and the next target T,
    a step still in the future for every host (``margin`` steps past the newest it saw;
    with ``--replicate-every N``, the next multiple of N).
-2. Every host, once its workers commit the first step >= T, copies it into its own
-   replica slots and pushes it to the rank's holders (each push tells the holder s*, so
+2. Every host, once its workers commit the first step >= T, pushes it from the slot
+   that holds it (pinned meanwhile) to the rank's holders (each push tells the holder s*, so
    that it keeps s* and overwrites the older slot), then publishes a :class:`Done`.
 3. When every host has replicated the same step, that step is the new s*, and the
    leader plans the next target. A host that could not catch the step (its workers

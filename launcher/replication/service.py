@@ -7,9 +7,10 @@ thread replicates this host's ranks to the nodes that
 in lock step with every other host (:mod:`~launcher.replication.progress`: the round's
 leader publishes the target and the globally restorable step s* in the coordination
 store; each host reports there when its ranks' copies of the target have reached every
-holder). For each target it first copies the step into this host's own replica slots of
-the rank (a copy the worker never writes, which keeps s* for the survivors of a host
-loss) and pushes from there, straight from shared memory.
+holder). It pushes each target straight from the worker's slot that holds it, in shared
+memory: the worker's saves never overwrite the slot holding the step being pushed nor
+the one holding s* (``SlotOwner.pin_own``), which the survivors of a host loss resume
+from; a save finding both slots pinned is skipped.
 
 Pacing (the paper's traffic interleaving, adapted): the paper fits checkpoint traffic
 into the gaps of training's own network traffic. Here the contended resources are the
@@ -38,7 +39,7 @@ from typing import Any
 
 from launcher import memory
 from launcher.coordination import secret_key
-from launcher.errors import ConfigError, GeminiError, ReplicationError, StoreError
+from launcher.errors import ConfigError, ReplicationError, StoreError
 from launcher.events import EventLog
 from launcher.priority import IdleGate, lower_priority
 from launcher.replication import placement, progress, transport
@@ -148,8 +149,10 @@ class ReplicationService:
         self._commits: dict[int, tuple[int, float]] = {}  # rank -> (newest step, seen at)
         self._interval: dict[int, float] = {}  # rank -> iteration time (EWMA, seconds)
         self._failures: dict[tuple[str, int], float] = {}  # holder -> time of last failure
-        # rank -> (step, this host's own copy of it, which pushes go out from)
-        self._kept: dict[int, tuple[int, memory.Segment]] = {}
+        # rank -> (the header of the step being replicated, its own slot: pinned, the
+        # pushes go out from it)
+        self._sources: dict[int, tuple[memory.SlotHeader, memory.Segment]] = {}
+        self._restored = -1  # the step this round started from: kept until s* passes it
         self._gate = IdleGate() if pace and IdleGate.available() else None
         self.pushes = 0  # completed pushes (a step of a rank to one holder)
         self._running = threading.Event()
@@ -168,6 +171,7 @@ class ReplicationService:
         """Adopt the placement of a new round (``round_id``, the same on every host) and
         resume replicating; the round's leader publishes its first plan."""
         layout = placement.plan(nodes, self.replicas)
+        self.owner.copies = layout.replicas
         holders = [a for n in layout.holders(node) if (a := addresses.get(n)) is not None]
         with self._lock:
             self._holders = [(str(h), int(p)) for h, p in holders]
@@ -175,8 +179,11 @@ class ReplicationService:
                 if address not in self._holders:
                     self._clients.pop(address).close()
             self._pushed.clear()  # the job may have gone back to an older step
-            self._kept.clear()
+            self._sources.clear()
+            self._restored = restored
             self._node, self._nodes, self._round_id = node, nodes, round_id
+            for rank in self.owner.segments():  # kept until this round's first s*
+                self.owner.pin_own(rank, restored if nodes > 1 else -1, -1)
             self._plan, self._plan_read, self._answered = None, 0.0, None
             self.server.round = round_id
         if node == 0 and nodes > 1:
@@ -241,27 +248,30 @@ class ReplicationService:
             return False
         for rank in own:
             self.owner.pin(rank, plan.sstar)
+            self.owner.pin_own(rank, max(plan.sstar, self._restored), plan.target)
         sent = False
         caught: dict[int, int] = {}
         for rank, segments in own.items():
-            kept = self._kept.get(rank)
+            source = self._sources.get(rank)
             pacer = self._pacer(rank, max(seg.size for seg in segments) * len(own) * len(holders))
-            if kept is None or kept[0] < plan.target:
+            if source is None or source[0].step < plan.target:
                 due = self._due(segments, plan.target)
                 if due is None:
                     continue
                 if self._began is None:
                     self._began = time.monotonic()
-                kept = self._keep_own_copy(*due, pacer)
-                if kept is None:
-                    continue  # the worker rewrote that slot meanwhile: a miss, seen below
-            caught[rank] = kept[0]
+                source = self._sources[rank] = (due[1], due[0])
+            header, segment = source
+            if not memory.unchanged(segment.view, header):
+                del self._sources[rank]  # rewritten before its pin was seen: a miss, below
+                continue
+            caught[rank] = header.step
             for holder in holders:
-                if self._pushed.get((holder, rank), -1) == kept[0] or not self._running.is_set():
+                if self._pushed.get((holder, rank)) == header.step or not self._running.is_set():
                     continue
                 if time.monotonic() - self._failures.get(holder, -1e9) < 1.0:
                     continue  # back off from a failing peer
-                sent |= self._push(holder, rank, kept[1], pacer, plan.sstar)
+                sent |= self._push(holder, rank, segment, header, pacer, plan.sstar)
         self._answer(plan, own, holders, caught, newest)
         return sent
 
@@ -390,31 +400,6 @@ class ReplicationService:
             logger.info("replication: the coordination store is back")
         return True if result is None else result
 
-    def _keep_own_copy(self, segment: memory.Segment, header: memory.SlotHeader,
-                       pacer: _Pacer | None) -> tuple[int, memory.Segment] | None:
-        """Copy the step about to be replicated into this host's replica slots of its own
-        rank, and return (step, the copy); pushes go out from the copy.
-
-        The worker's double buffer holds only its two newest steps; when replication lags
-        behind them, this copy is what lets the survivors of a host loss resume at a step
-        the lost host's replicas also hold (a pull from this host's own server). And as
-        the worker never writes the copy, a push of a large state can take several
-        iterations without being torn. Each chunk is checked while it is in the cache."""
-        rank = header.rank
-        try:
-            target = self.owner.write_target(
-                rank, memory.slot_size(header.data_len, header.meta_len), replica=True)
-            if not memory.copy_slot(segment.view, target.view, header,
-                                    pacer.wait_idle if pacer is not None else None):
-                return None
-        except GeminiError as exc:
-            if memory.unchanged(segment.view, header):  # else: torn by the worker, as above
-                logger.warning("keeping a copy of rank %d step %d failed: %s", rank,
-                               header.step, exc)
-            return None
-        self._kept[rank] = (header.step, target)
-        return self._kept[rank]
-
     @staticmethod
     def _due(segments: list[memory.Segment], target: int
              ) -> tuple[memory.Segment, memory.SlotHeader] | None:
@@ -463,12 +448,13 @@ class ReplicationService:
                       self._stop)
 
     def _push(self, holder: tuple[str, int], rank: int, segment: memory.Segment,
-              pacer: _Pacer | None, keep: int) -> bool:
+              header: memory.SlotHeader, pacer: _Pacer | None, keep: int) -> bool:
         try:
             client = self._clients.get(holder)
             if client is None:
                 client = self._clients[holder] = self.client(holder)
-            step = client.push(segment, pace=pacer, keep=keep, round_id=self._round_id)
+            step = client.push(segment, pace=pacer, keep=keep, round_id=self._round_id,
+                               expect=header)
         except ReplicationError as exc:
             first = holder not in self._failures
             self._failures[holder] = time.monotonic()

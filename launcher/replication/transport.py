@@ -970,18 +970,21 @@ class Client:
             raise AssertionError("unreachable")
 
     def push(self, segment: memory.Segment, *, pace: Callable[[int], None] | None = None,
-             keep: int = -1, round_id: str = "") -> int | None:
+             keep: int = -1, round_id: str = "",
+             expect: memory.SlotHeader | None = None) -> int | None:
         """Send the committed step ``segment`` holds to the peer, which verifies and
         commits it in a replica slot; return that step. Return None without sending when
         the slot holds no committed step, and None after sending when the slot changed
         meanwhile (the peer discards it). ``pace`` is called before each chunk of the
         data with the bytes sent so far, and may wait (see ``replication.service``);
         ``keep`` is the step whose replica the peer must keep (the run's s*); a peer in
-        another round than ``round_id`` refuses the push."""
+        another round than ``round_id`` refuses the push. With ``expect``, only the
+        commit that header describes is sent (None if the slot holds another)."""
         source = _SourceFile(segment)
         try:
             snapshot = source.snapshot()
-            if snapshot is None:
+            if snapshot is None or expect is not None and (
+                    snapshot[0].seq, snapshot[0].step) != (expect.seq, expect.step):
                 return None
             header, meta = snapshot
             if header.run_id != _header_run_id(self.run_id):
