@@ -16,7 +16,8 @@ gloo over loopback). Printed, side by side with their baselines:
    (the first survivor to know: its worker's communication error, a refused probe of
    the dead supervisor, or unanswered heartbeats), rendezvous (to the round with the
    new host), transfer (the new host pulls its ranks) and load + first step; with a hot
-   spare, a replacement started at the loss, the persistent tier, and side by side
+   spare, a replacement started at the loss, no spare (the survivors shrink the job),
+   the persistent tier, and side by side
    torchrun restoring with torch.load from a torch.save written every step to local
    disk. About 250 MiB of state per host; each step sleeps 0.2 s, standing in for GPU
    compute that leaves the host's CPU free;
@@ -198,11 +199,12 @@ def host_loss(variant: Variant, nodes: int, etcd: Any, *, model: list[str] = LOS
         port = _free_port()
 
         def host(name: str, i: int) -> Host:
-            if variant.torchrun:
+            if variant.torchrun:  # h0 serves the c10d store, and is never the victim
                 argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes",
                         f"{low}:{nodes}", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-                        "--rdzv-conf", "last_call_timeout=1", "--max-restarts", "3",
+                        "--rdzv-conf", f"last_call_timeout=1,is_host={int(i == 0)}",
+                        "--max-restarts", "3",
                         "--monitor-interval", "0.1", *train, "--torch-save", f"{tmp}/ckpt.pt"]
             else:
                 argv = [*GEMINI, "--nnodes", f"{low}:{nodes}", "--nproc-per-node", "1",
@@ -212,7 +214,10 @@ def host_loss(variant: Variant, nodes: int, etcd: Any, *, model: list[str] = LOS
                         *[a.replace("{tmp}", tmp) for a in variant.args], *train]
             return Host(argv, dict(env, GEMINI_HOST_ID=name, GEMINI_SHM_DIR=_shm_dir(shm, i)))
 
-        hosts = {f"h{i}": host(f"h{i}", i) for i in range(nodes)}
+        hosts: dict[str, Host] = {}
+        for i in range(nodes):
+            hosts[f"h{i}"] = host(f"h{i}", i)
+            time.sleep(0.5 if variant.torchrun else 0)  # h0 first: it serves the store
         try:
             return _lose_one(variant, nodes, hosts, host, run_root, run_id, etcd, kill_at,
                              until_known)
@@ -231,7 +236,7 @@ def _lose_one(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, r
         time.sleep(0.1)
     rank0 = next(name for name, h in hosts.items() if h.first(step.pattern))
     if variant.torchrun:
-        victim = next(name for name in hosts if name != rank0)
+        victim = "h1"
     else:
         slots = {int(e["group_rank"]): str(e["host"]) for e in _events(run_root)  # type: ignore[call-overload]
                  if e["event"] == "rendezvous"}
@@ -240,13 +245,22 @@ def _lose_one(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, r
         hosts["new"] = host("new", nodes)
         _wait_for_spare(etcd.url, run_id, deadline)
         time.sleep(STANDBY_READY)
-    survivor = hosts[rank0]
+    before = hosts[rank0]
     faulted = time.time()
     if variant.fault == "freeze":
         _signal_tree(hosts[victim].proc.pid, signal.SIGSTOP)
     else:
         hosts[victim].kill()
-    if not (variant.spare or variant.shrink):
+    if variant.torchrun:
+        # torchrun's c10d handler publishes the workers' store address in its first round
+        # only: a replacement joining a later round waits for it forever. What works is
+        # what a scheduler does: restart the whole job (here at once, at the kill).
+        for name in list(hosts):
+            hosts.pop(name).kill()
+        for i in range(nodes):
+            hosts[f"r{i}"] = host(f"r{i}", i)
+            time.sleep(0.5)
+    elif not (variant.spare or variant.shrink):
         hosts["new"] = host("new", nodes)
     survivors = [name for name in hosts if name not in (victim, "new")]
     if until_known:
@@ -258,16 +272,22 @@ def _lose_one(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, r
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not every survivor learned of the loss: {known}")
             time.sleep(0.1)
-    while (first_step := survivor.first(r"^step \d+ ", after=survivor.first(
-            r"^resumed at step", after=faulted) or 1e18)) is None:
+    def resumed(h: Host) -> tuple[float, float] | None:
+        """When ``h`` printed that it resumed, and its first step after that."""
+        at = h.first(r"^resumed at step", after=faulted)
+        first = h.first(r"^step \d+ ", after=at) if at is not None else None
+        return None if at is None or first is None else (at, first)
+
+    while not (done_by := {n: r for n, h in hosts.items() if n != victim
+                           and (r := resumed(h)) is not None}):
         if time.monotonic() > deadline:
-            raise RuntimeError(survivor.output()[-3000:])
+            raise RuntimeError("\n".join(h.output()[-3000:] for h in hosts.values()))
         time.sleep(0.1)
-    resumed = survivor.first(r"^resumed at step", after=faulted)
-    match = next(re.match(r"resumed at step (\d+)", line) for t, line in survivor.lines
-                 if t == resumed)
+    name, (at, first_step) = min(done_by.items(), key=lambda item: item[1][1])
+    match = next(re.match(r"resumed at step (\d+)", line) for t, line in hosts[name].lines
+                 if t == at)
     assert match is not None
-    done = [int(m.group(1)) for t, line in list(survivor.lines) if t <= faulted
+    done = [int(m.group(1)) for t, line in list(before.lines) if t <= faulted
             and (m := re.match(r"step (\d+) ", line))]
     result = {"steps redone": max(done, default=-1) - (int(match.group(1)) - 1),
               "total": first_step - faulted}
@@ -281,7 +301,7 @@ def _lose_one(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, r
     transfer = float(plan["transfer_seconds"])  # type: ignore[arg-type]
     planned = float(plan["ts"])  # type: ignore[arg-type]
     want = ({"persist"} if "--persist-dir" in variant.args else {"peer"} if plan["host"] == "new"
-            else {"memory"})
+            else {"memory", "peer"} if variant.shrink else {"memory"})
     if not set(plan["sources"].values()) <= want:  # type: ignore[union-attr]
         raise RuntimeError(f"expected a restore from {want}: {plan}")
     return {**result, "detection": detected - faulted, "rendezvous": planned - transfer - detected,
@@ -383,6 +403,8 @@ def main() -> None:
         variants = [Variant("peer memory, hot spare", spare=True),
                     Variant("peer memory, hot spare, frozen host", spare=True, fault="freeze"),
                     Variant("peer memory, replacement started at the kill"),
+                    Variant("memory, no spare: the survivors go on (--nnodes N-1:N)",
+                            shrink=True),
                     Variant("persistent tier (local disk), replacement started at the kill",
                             args=("--replicas", "1", "--persist-dir", "{tmp}/persist",
                                   "--persist-every", "1")),

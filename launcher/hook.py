@@ -324,10 +324,18 @@ class Checkpointer:
 
     def __init__(self, model: torch.nn.Module | None = None,
                  optimizer: torch.optim.Optimizer | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None, *,
+                 replicated: bool | None = None) -> None:
+        """``replicated``: whether every data-parallel rank holds the whole model and
+        optimizer state (DDP), so that when the job shrinks or grows any rank's copy
+        serves any rank. None (the default) says yes unless the state holds DTensors
+        (FSDP2, tensor parallelism); pass False for model-parallel state kept in plain
+        tensors (each rank its own shard), which then restores only into the same world
+        size."""
         self.model = model
         self.optimizer = optimizer
         self.extra: dict[str, Any] = extra if extra is not None else {}
+        self.replicated = replicated
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
@@ -693,8 +701,11 @@ class Checkpointer:
                            for record in layout.records)
         block = {"offset": layout.block[0], "nbytes": layout.block[1] - layout.block[0],
                  "xxh3": f"{block_digest:016x}"}
-        meta = (f'{{"step":{step},"tensors":[{records}],"blocks":[{json.dumps(block)}],"tree":'
-                + tree + "}").encode()
+        replicated = self.replicated if self.replicated is not None else (
+            '"__dtensor__"' not in tree)
+        meta = (f'{{"step":{step},"replicated":{"true" if replicated else "false"},'
+                f'"tensors":[{records}],"blocks":[{json.dumps(block)}],"tree":' + tree + "}"
+                ).encode()
         self._seq += 1
         memory.write_commit(buf, step=step, seq=self._seq, rank=self.rank,
                             world_size=self.world_size, run_id=self.run_id,

@@ -55,6 +55,11 @@ class RestorePlan:
     """None: no step is complete for every rank anywhere; start fresh."""
     sources: dict[int, list[Source]] = field(default_factory=dict)
     """Per rank, the copies of ``step`` in order of preference."""
+    world_size: int | None = None
+    """The world size the copies were written with, when it differs from the job's now
+    (it shrank or grew: :func:`plan_resized`); None: the same."""
+    origin: dict[int, int] = field(default_factory=dict)
+    """With ``world_size``: the rank of that world whose copy each rank restores."""
 
 
 def plan_restore(available: Mapping[int, Mapping[int, Collection[Source]]],
@@ -114,3 +119,31 @@ def gather_sources(reports: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[i
                 for step in steps:
                     available.setdefault(int(rank), {}).setdefault(int(step), []).append(source)
     return available
+
+
+def plan_resized(reports: Mapping[int, Mapping[str, Any]], world_size: int) -> RestorePlan:
+    """The newest step that ``world_size`` ranks can restore from copies written while the
+    job ran with another number of ranks (it shrank after a host loss, or grows back):
+    new rank ``r`` restores old rank ``r % W`` of a world of ``W`` ranks. Only state that
+    every data-parallel rank holds whole is reported as resizable (DDP: any rank's copy
+    is every rank's), under ``reports[node]["resizable"][W][rank]``, verified steps of
+    the node's own and replica slots; a copy on the node that runs the new rank now is
+    MEMORY, on another node PEER (a pull names the old rank)."""
+    best = RestorePlan(None)
+    worlds = {int(w) for report in reports.values() for w in report.get("resizable") or {}}
+    for world in sorted(worlds - {world_size}):
+        runs = {rank: node for node, report in reports.items()
+                for rank in report.get("ranks") or []}
+        available: dict[int, dict[int, list[Source]]] = {}
+        for rank in range(world_size):
+            old = rank % world
+            for node, report in sorted(reports.items()):
+                held = (report.get("resizable") or {}).get(str(world), {}).get(str(old), [])
+                source = Source(Tier.MEMORY) if runs.get(rank) == node else Source(Tier.PEER, node)
+                for step in held:
+                    available.setdefault(rank, {}).setdefault(int(step), []).append(source)
+        plan = plan_restore(available, world_size)
+        if plan.step is not None and (best.step is None or plan.step > best.step):
+            best = RestorePlan(plan.step, plan.sources, world_size=world,
+                               origin={rank: rank % world for rank in range(world_size)})
+    return best

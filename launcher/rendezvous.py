@@ -370,6 +370,17 @@ def members_first(node: Any, members: frozenset[Any], participants: Iterable[Any
     return open_for >= SETTLE and not any(m in alive and m not in joined for m in members)
 
 
+def all_rejoined(members: frozenset[Any], participants: Iterable[Any],
+                 heartbeats: Iterable[Any]) -> bool:
+    """Whether every node still alive (it heartbeats: a lost host's node is dropped at
+    once), the last complete round's ``members`` and any spare, has joined the next
+    round: then it need not wait out torch's last call for hosts that may never come (a
+    job that shrinks goes on at once; a host that comes later is admitted at the next
+    round)."""
+    joined = set(participants)
+    return bool(members) and all(node in joined for node in heartbeats)
+
+
 @dataclasses.dataclass
 class _LastRound:
     round: int = -1
@@ -396,7 +407,13 @@ def _members_first(join: Any) -> Any:
                 _LAST_ROUNDS[settings.run_id] = _LastRound(state.round,
                                                            frozenset(state.participants))
             return action
-        if action is not _Action.ADD_TO_PARTICIPANTS or state.round != last.round + 1:
+        if state.round != last.round + 1:
+            return action
+        if (action in (_Action.KEEP_ALIVE, _Action.SYNC) and ctx.node in state.participants
+                and settings.min_nodes <= len(state.participants) <= settings.max_nodes
+                and all_rejoined(last.members, state.participants, state.last_heartbeats)):
+            return _Action.MARK_RENDEZVOUS_COMPLETE
+        if action is not _Action.ADD_TO_PARTICIPANTS:
             return action
         if last.opened is None:
             last.opened = time.monotonic()

@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 import uuid
@@ -33,6 +34,7 @@ from launcher.recovery import (
     Tier,
     explain_incomplete,
     gather_sources,
+    plan_resized,
     plan_restore,
 )
 
@@ -221,26 +223,31 @@ class SlotOwner:
             memory.set_state(segment.view, memory.SlotState.WRITING)
             return segment
 
-    def restore_kept(self, rank: int, step: int) -> None:
-        """Copy ``rank``'s committed ``step`` from this host's replica slots (the copy the
-        replication service keeps of the host's own ranks) into one of its own slots,
-        where its worker restores it, unless one holds it already; only while no worker
-        of this host runs."""
+    def restore_local(self, rank: int, step: int, *, source: int | None = None) -> None:
+        """Make one of ``rank``'s own slots hold committed ``step`` of rank ``source``
+        (``rank`` itself by default; another rank of the world the job had before it
+        shrank or grew), copied from this host's own or replica slots of ``source``
+        unless an own slot of ``rank`` holds it already; only while no worker of this
+        host runs."""
+        source = rank if source is None else source
+
+        def holding(segments: Iterable[memory.Segment | None]) -> memory.Segment | None:
+            return next((seg for seg in segments if seg is not None
+                         and (h := memory.read_header(seg.view)) is not None
+                         and h.step == step and h.rank == source
+                         and h.state is memory.SlotState.COMMITTED), None)
+
         with self._lock:
-            if any(seg is not None and (h := memory.read_header(seg.view)) is not None
-                   and h.step == step and h.state is memory.SlotState.COMMITTED
-                   for seg in self._slots.get(rank, [])):
+            if holding(self._slots.get(rank, [])) is not None:
                 return
-            source = next((seg for seg in self._replicas.get(rank, []) if seg is not None
-                           and (h := memory.read_header(seg.view)) is not None
-                           and h.step == step and h.state is memory.SlotState.COMMITTED), None)
-        header = memory.read_header(source.view) if source is not None else None
-        if source is None or header is None:
-            raise CheckpointError(f"rank {rank}: no kept copy of step {step}")
+            found = holding([*self._slots.get(source, []), *self._replicas.get(source, [])])
+        header = memory.read_header(found.view) if found is not None else None
+        if found is None or header is None:
+            raise CheckpointError(f"rank {rank}: no copy of step {step} of rank {source} here")
         target = self.write_target(rank, memory.slot_size(header.data_len, header.meta_len),
                                    replica=False)
-        if not memory.copy_slot(source.view, target.view, header):
-            raise CheckpointError(f"rank {rank}: the kept copy of step {step} changed")
+        if not memory.copy_slot(found.view, target.view, header):
+            raise CheckpointError(f"rank {rank}: the copy of step {step} changed")
 
     def pin(self, rank: int, step: int) -> None:
         """Keep the replica of ``rank``'s ``step`` (the globally restorable step s*): no
@@ -405,6 +412,34 @@ class SlotOwner:
             return found
 
 
+    def resizable(self, world_size: int) -> dict[int, dict[int, list[int]]]:
+        """Verified committed steps written by a world of another size than
+        ``world_size``, of state that every data-parallel rank holds whole (the slot's
+        metadata says ``replicated``), per world size and rank, from this host's own and
+        replica slots: what a job that shrank or grew may restore (see
+        ``recovery.plan_resized``)."""
+        with self._lock:
+            segments = [seg for pairs in (self._slots, self._replicas) for pair in pairs.values()
+                        for seg in pair if seg is not None
+                        and (h := memory.read_header(seg.view)) is not None
+                        and h.state is memory.SlotState.COMMITTED
+                        and h.world_size not in (0, world_size)
+                        and h.run_id == self.run_id[:64]]
+            with ThreadPoolExecutor(max_workers=max(1, min(len(segments), os.cpu_count() or 1))
+                                    ) as pool:
+                infos = list(pool.map(memory.describe, segments))
+        found: dict[int, dict[int, set[int]]] = {}
+        for info in infos:
+            header = info.header
+            if (info.valid_step is None or header is None or header.rank != info.rank
+                    or not (info.meta or {}).get("replicated")):
+                continue
+            found.setdefault(header.world_size, {}).setdefault(header.rank, set()).add(
+                info.valid_step)
+        return {world: {rank: sorted(steps) for rank, steps in ranks.items()}
+                for world, ranks in found.items()}
+
+
 class SlotServer:
     """Serves worker requests on an abstract Unix socket, one thread per connection.
 
@@ -535,6 +570,8 @@ class MemoryService:
             "persist": {rank: steps for rank, steps in self.persist.scan().items()
                         if rank in ranks} if self.persist is not None else {},
             "address": list(self.replication.address) if self.replication is not None else None,
+            "ranks": ranks,
+            "resizable": self.owner.resizable(world_size),
         }
         if node == 0 and self.replication is not None:
             store.set("replication_round", uuid.uuid4().hex)
@@ -542,6 +579,9 @@ class MemoryService:
         reports = {peer: json.loads(store.get(f"holdings/{peer}")) for peer in range(nodes)}
         available = gather_sources(reports)
         plan = plan_restore(available, world_size)
+        resized = plan_resized(reports, world_size)
+        if resized.step is not None and (plan.step is None or resized.step > plan.step):
+            plan = resized  # the job shrank or grew: every rank takes a whole copy
         if plan.step is None and available:
             why = explain_incomplete(available, world_size)
             logger.warning("no step is complete for every rank in any tier, so the job starts "
@@ -558,7 +598,12 @@ class MemoryService:
         os.environ[ENV_RESTORE_STEP] = str(restore)
         os.environ[ENV_RESTORE_VERIFIED] = ",".join(
             f"{rank}:{seq}" for rank, seq in self._verified(ranks, restore).items())
+        if plan.world_size is not None:
+            print(f"gemini: the job now has {world_size} ranks instead of {plan.world_size}: "
+                  f"each rank resumes step {plan.step} from a whole copy of the state (rank r "
+                  f"from rank r % {plan.world_size})", file=sys.stderr, flush=True)
         self.events.write("restore_plan", step=plan.step, local=report["local"],
+                          world_size=world_size, from_world_size=plan.world_size,
                           replicas=report["replicas"], persist=report["persist"],
                           sources={str(rank): used[rank] for rank in sorted(used)},
                           scan_seconds=round(scanned - started, 4),
@@ -593,7 +638,7 @@ class MemoryService:
             errors = []
             for source in plan.sources.get(rank, []):
                 try:
-                    self._fetch(rank, plan.step, source, reports)
+                    self._fetch(rank, plan.step, source, reports, plan.origin.get(rank, rank))
                 except GeminiError as exc:
                     errors.append(f"{source.tier.name.lower()}: {exc}")
                     logger.warning("rank %d step %d from %s failed: %s", rank, plan.step,
@@ -607,15 +652,17 @@ class MemoryService:
         return used
 
     def _fetch(self, rank: int, step: int, source: Source,
-               reports: dict[int, dict[str, Any]]) -> None:
+               reports: dict[int, dict[str, Any]], origin: int) -> None:
+        """Bring ``step`` of rank ``origin`` (``rank`` itself, unless the job was resized)
+        from ``source`` into an own slot of ``rank``."""
         if source.tier is Tier.MEMORY:
-            self.owner.restore_kept(rank, step)  # unless an own slot holds it already
+            self.owner.restore_local(rank, step, source=origin)  # unless already there
             return  # the worker verifies it again
         if source.tier is Tier.PEER:
             address = reports[source.node].get("address")
             if self.replication is None or not address:
                 raise ReplicationError(f"node {source.node} has no replication address")
-            self.replication.pull((str(address[0]), int(address[1])), rank, step)
+            self.replication.pull((str(address[0]), int(address[1])), origin, step, into=rank)
             return
         if self.persist is None:
             raise CheckpointError("no persistent tier configured")

@@ -89,11 +89,11 @@ class StandbyService:
     host's place at once) and its first workers run in standbys and die with it; and
     again from ``REFILL_DELAY`` seconds after each start of workers."""
 
-    #: Seconds after workers start before new standbys start importing torch: at once,
-    #: they took the cores from the workers' own start (the first output of a 2-worker job
-    #: on 2 cores came 5.0 s after launch instead of 1.8 s). A failure before then
-    #: restarts cold, or waits for a standby still importing.
-    REFILL_DELAY = 3.0
+    #: Seconds after workers start before new standbys start importing torch: sooner, they
+    #: take the cores from the workers' own start and their first steps after a restore
+    #: (which also fault in the restored state and warm the allocator and the process
+    #: group). A failure before then restarts cold, or waits for a standby still importing.
+    REFILL_DELAY = 10.0
 
     def __init__(self, local_world_size: int) -> None:
         self.pool = StandbyPool(local_world_size)

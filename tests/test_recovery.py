@@ -60,3 +60,28 @@ def test_the_copy_a_host_keeps_of_its_own_rank_is_memory() -> None:
     }
     plan = plan_restore(gather_sources(reports), 2)
     assert plan == RestorePlan(18, {0: [MEMORY], 1: [peer(0)]})
+
+
+def test_a_job_that_shrank_or_grew_restores_whole_copies() -> None:
+    """Three nodes of one rank each ran a world of 3; node 1 is lost and the survivors
+    (now ranks 0 and 1: node 2 took slot 1) form a world of 2. Rank 1 restores old rank
+    1's copy, a replica node 2 keeps (MEMORY there), rank 0 its own. When a third node
+    joins again (world 3 from a world of 2), rank 2 takes old rank 0's copy from a peer.
+    Steps not complete for the ranks a world needs are skipped; a world of the same size
+    is not a resize."""
+    from launcher.recovery import Source, Tier, plan_resized
+
+    reports = {
+        0: {"ranks": [0], "resizable": {"3": {"0": [7, 8]}}},
+        1: {"ranks": [1], "resizable": {"3": {"2": [7, 8], "1": [7]}}},
+    }
+    plan = plan_resized(reports, 2)
+    assert plan.step == 7 and plan.world_size == 3 and plan.origin == {0: 0, 1: 1}
+    assert plan.sources == {0: [Source(Tier.MEMORY)], 1: [Source(Tier.MEMORY)]}
+    grown = plan_resized({0: {"ranks": [0], "resizable": {"2": {"0": [9]}}},
+                          1: {"ranks": [1], "resizable": {"2": {"1": [9]}}},
+                          2: {"ranks": [2], "resizable": {}}}, 3)
+    assert grown.step == 9 and grown.origin == {0: 0, 1: 1, 2: 0}
+    assert grown.sources[2] == [Source(Tier.PEER, 0)]
+    assert plan_resized({0: {"ranks": [0], "resizable": {"2": {"0": [4]}}}}, 2).step is None
+    assert plan_resized({0: {"ranks": [0], "resizable": {"3": {"1": [4]}}}}, 2).step is None

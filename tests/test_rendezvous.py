@@ -113,3 +113,17 @@ def test_known_dead_nodes_leave_the_rendezvous_state_at_once() -> None:
         assert not state.participants and not state.complete and state.round == 5
     finally:
         rendezvous._GONE[:] = previous
+
+
+def test_a_round_closes_once_every_live_node_rejoined() -> None:
+    """After a host loss (its node dropped, so no longer heartbeating) the survivors close
+    the round as soon as they all joined; a spare or a member still alive and not yet
+    rejoined keeps it open; there is no early close before a first complete round."""
+    from launcher.rendezvous import all_rejoined
+
+    members = frozenset({"a", "b", "c"})
+    assert all_rejoined(members, ["a", "c"], ["a", "c"])  # b is gone
+    assert not all_rejoined(members, ["a"], ["a", "c"])  # c is alive, not back yet
+    assert not all_rejoined(members, ["a", "c"], ["a", "c", "spare"])  # the spare joins too
+    assert all_rejoined(members, ["a", "c", "spare"], ["a", "c", "spare"])
+    assert not all_rejoined(frozenset(), ["a"], ["a"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -281,3 +282,73 @@ def test_lost_group_resumes_from_the_persistent_tier(tmp_path: Path) -> None:
         assert set(plan["sources"].values()) <= want, plan  # type: ignore[union-attr]
     assert {p["host"] for p in plans if "persist" in p["sources"].values()} >= {"new0", "new1"}
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def test_without_a_spare_the_job_shrinks_then_grows_back(tmp_path: Path) -> None:
+    """``--nnodes 2:3``, three hosts of one worker, no spare: the host in node slot 1 is
+    killed and the two survivors go on at once as a world of 2, each rank from a whole
+    copy of the DDP-style state in memory (rank 1 from the replica its new host keeps);
+    a host started a little later is admitted at the next round, and the world of 3
+    resumes from the world of 2's copies. The result equals a reference that changed its
+    world size at the same steps (three plain torchrun runs chained through files)."""
+    hosts: list[Host] = []
+    by = time.monotonic() + RUN_BUDGET
+    with EtcdServer() as etcd:
+        argv = [*GEMINI, "run", "--nnodes", "2:3", "--nproc-per-node", "1",
+                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                "--rdzv-id", "shrink", "--rdzv-conf", "last_call_timeout=1", "--store", etcd.url,
+                "--max-restarts", "5", "--replication-addr", "127.0.0.1", "--no-standby",
+                *TRAIN, "--steps", str(STEPS), "--sleep", "0.1", "--out", str(tmp_path / "out.pt")]
+        try:
+            hosts = [Host(tmp_path, f"h{i}", argv) for i in range(3)]
+            wait_for(lambda: len(_slots(tmp_path)) == 3, 120, "every host in the rendezvous",
+                     hosts, by)
+            by_slot = {slot: name for name, slot in _slots(tmp_path).items()}
+            rank0 = next(h for h in hosts if h.name == by_slot[0])
+            wait_for(lambda: re.search(r"^step 20 ", rank0.output(), re.M) is not None, 180,
+                     "step 20", hosts, by)
+            victim = next(h for h in hosts if h.name == by_slot[1])
+            victim.kill()
+
+            def resized(world: int) -> list[dict]:
+                return [e for e in events(tmp_path / "runs") if e["event"] == "restore_plan"
+                        and e.get("world_size") == world and e.get("from_world_size")]
+
+            wait_for(lambda: len(resized(2)) == 2, 60, "the survivors to shrink", hosts, by)
+            shrunk = resized(2)[0]["step"]
+            wait_for(lambda: re.search(rf"^step {shrunk + 6} ", rank0.output(), re.M) is not None,
+                     60, "steps in the world of 2", hosts, by)
+            hosts.append(Host(tmp_path, "back", argv))
+            for host in hosts:
+                if host is not victim:
+                    wait_for(lambda h=host: h.proc.poll() is not None, 300,
+                             f"{host.name} to finish", hosts, by)
+                    assert host.proc.returncode == 0, host.output()[-4000:]
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    shrinks, grows = resized(2), resized(3)
+    assert len(shrinks) == 2 and {p["from_world_size"] for p in shrinks} == {3}, shrinks
+    assert len({p["step"] for p in shrinks}) == 1 and shrunk >= 15, shrinks
+    for plan in shrinks:
+        assert set(plan["sources"].values()) <= {"memory", "peer"}, plan  # type: ignore[union-attr]
+    assert len(grows) == 3 and {p["from_world_size"] for p in grows} == {2}, grows
+    grown = grows[0]["step"]
+    assert len({p["step"] for p in grows}) == 1 and grown > shrunk, grows
+    reference = _chained_reference(tmp_path, [(3, shrunk), (2, grown), (3, STEPS - 1)])
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def _chained_reference(tmp: Path, phases: list[tuple[int, int]]) -> dict:
+    """Plain torchrun runs of the same training, each of ``world`` workers up to and
+    including ``last``, each starting from the state the previous one wrote."""
+    previous = ""
+    for i, (world, last) in enumerate(phases):
+        out = tmp / f"phase{i}.pt"
+        done = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc-per-node", str(world), *TRAIN, "--steps", str(last + 1),
+                    "--out", str(out), *(["--init", previous] if previous else [])],
+                   env=env_with(tmp / "ref"), timeout=240)
+        assert done.returncode == 0, done.output[-3000:]
+        previous = str(out)
+    return torch.load(previous)

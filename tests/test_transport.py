@@ -217,7 +217,9 @@ def test_a_push_from_another_round_is_refused(net: Net) -> None:
     assert net.replica_steps() == [4, 6]
 
 
-def test_the_kept_copy_of_an_own_rank_is_restored_into_its_own_slot(net: Net) -> None:
+def test_a_local_copy_is_restored_into_an_own_slot(net: Net) -> None:
+    """``restore_local``: a replica slot's copy (of the rank itself, or of another rank
+    of the world before the job shrank) goes into an own slot, unless one holds it."""
     data = random_data(300_000, 41)
     own = fill(net.a, 0, 12, data)
     header = memory.read_header(own.view)
@@ -227,13 +229,17 @@ def test_the_kept_copy_of_an_own_rank_is_restored_into_its_own_slot(net: Net) ->
     fill(net.a, 0, 13, random_data(300_000, 42))
     fill(net.a, 0, 14, random_data(300_000, 43))  # the worker's own slots moved on
     assert net.a.holdings([0], WORLD) == {0: [13, 14]}
-    net.a.restore_kept(0, 12)
+    net.a.restore_local(0, 12)
     assert net.a.holdings([0], WORLD) == {0: [12, 14]}
     restored = next(s for s in net.a.segments()[0] if memory.read_header(s.view).step == 12)
     assert slot_bytes(restored) == data
-    net.a.restore_kept(0, 14)  # already in an own slot: nothing to copy
-    with pytest.raises(CheckpointError, match="no kept copy of step 3"):
-        net.a.restore_kept(0, 3)
+    net.a.restore_local(0, 14)  # already in an own slot: nothing to copy
+    with pytest.raises(CheckpointError, match="no copy of step 3 of rank 0"):
+        net.a.restore_local(0, 3)
+    net.a.restore_local(1, 14, source=0)  # rank 1 of a smaller world takes rank 0's copy
+    moved = next(s for s in net.a.segments()[1] if memory.read_header(s.view).step == 14)
+    assert slot_bytes(moved) == slot_bytes(next(
+        s for s in net.a.segments()[0] if memory.read_header(s.view).step == 14))
 
 
 def test_pull_into_a_fresh_own_slot(net: Net) -> None:

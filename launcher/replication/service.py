@@ -205,13 +205,16 @@ class ReplicationService:
         return transport.Client(address, secret=self._secret, run_id=self.run_id,
                                 timeout=timeout)
 
-    def pull(self, address: tuple[str, int], rank: int, step: int) -> memory.SlotHeader:
+    def pull(self, address: tuple[str, int], rank: int, step: int, *,
+             into: int | None = None) -> memory.SlotHeader:
         """Fetch ``rank``'s committed ``step`` from the peer at ``address`` into one of
-        this host's own slots of that rank (verified and committed there)."""
+        this host's own slots of that rank, or of rank ``into`` (verified and committed
+        there)."""
+        own = rank if into is None else into
         client = self.client(address)
         try:
             return client.pull(rank, step,
-                               lambda nbytes: self.owner.write_target(rank, nbytes, replica=False))
+                               lambda nbytes: self.owner.write_target(own, nbytes, replica=False))
         finally:
             client.close()
 

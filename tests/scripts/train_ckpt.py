@@ -26,6 +26,8 @@ p.add_argument("--steps", type=int, default=20)
 p.add_argument("--width", type=int, default=64)
 p.add_argument("--depth", type=int, default=2)
 p.add_argument("--out", default="")
+p.add_argument("--init", default="", help="start from a state --out wrote (a reference run "
+               "that changes its world size between runs: no gemini involved)")
 p.add_argument("--kill", action="append", default=[])
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--grad-sync", choices=["ddp", "params"], default="ddp",
@@ -55,6 +57,14 @@ sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
 extra = {"scheduler": sched, "progress": {"samples": 0}}
 ckpt = Checkpointer(model=model, optimizer=opt, extra=extra)
 start = ckpt.restore()
+if args.init:
+    init = torch.load(args.init)
+    net.load_state_dict(init["model"])
+    opt.load_state_dict(init["opt"])
+    sched.load_state_dict(init["sched"])
+    extra["progress"]["samples"] = init["samples"]
+    torch.set_rng_state(init["rng"])
+    start = init["step"] + 1
 digest = hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values()))
 print(f"resume rank={rank} start={start} attempt={attempt} model={digest.hexdigest()[:12]} "
       f"samples={extra['progress']['samples']}", flush=True)
@@ -115,7 +125,8 @@ for step in range(start, args.steps):
 ckpt.close()
 if rank == 0 and args.out:
     torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "samples": extra["progress"]["samples"],
-                "rng": torch.get_rng_state()}, args.out)
+                "rng": torch.get_rng_state(), "sched": sched.state_dict(), "step": args.steps - 1},
+               args.out)
 if distributed:
     del model  # DDP must go before its process group (pytorch/pytorch#56297)
     dist.destroy_process_group()
