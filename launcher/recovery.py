@@ -103,8 +103,9 @@ def gather_sources(reports: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[i
     ``reports[node]`` has ``"local"`` (rank -> verified steps in the node's own slots, for
     the ranks it runs now), ``"replicas"`` (rank -> verified steps it keeps for peers) and
     ``"persist"`` (rank -> steps in the persistent tier), with ranks as strings (JSON).
-    A node's replica of a rank it runs (the copy replication keeps of the node's own
-    ranks) counts as MEMORY: it is copied into the rank's own slot without the network.
+    A node's replica of a rank it runs (it held a peer's rank that is now its own, or a
+    slot adopted from an earlier run) counts as MEMORY: it is copied into the rank's own
+    slot without the network.
     """
     available: dict[int, dict[int, list[Source]]] = {}
     tiers = (("local", Tier.MEMORY), ("replicas", Tier.PEER), ("persist", Tier.PERSIST))
@@ -112,7 +113,7 @@ def gather_sources(reports: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[i
         own = {str(rank) for rank in report.get("local") or {}}
         for key, tier in tiers:
             for rank, steps in (report.get(key) or {}).items():
-                # A host's replica of a rank it runs is the copy it keeps of its own.
+                # A replica of a rank this host runs is as good as its own copy.
                 kept = tier is Tier.PEER and str(rank) in own
                 source = Source(Tier.MEMORY) if kept else Source(tier, node if tier is Tier.PEER
                                                                  else -1)
