@@ -102,8 +102,8 @@ class HeartbeatService:
                               votes=votes)
 
     def on_answer(self, host: str) -> None:
-        """``host`` answers again after it was suspected."""
-        logger.info("heartbeat: host %s answers again", host)
+        """``host`` answers again after it was suspected, or is no longer pinged."""
+        logger.info("heartbeat: withdrawing the vote on host %s", host)
         try:
             self.coordination.suspect(host, False)
         except GeminiError as exc:
@@ -119,20 +119,23 @@ class _Pinger:
         self.host = host
         self.address = address
         self._stop = threading.Event()
+        self.suspected = False
         self._client = service.connect(address, timeout=service.timeout)
         self._thread = threading.Thread(target=self._run, name=f"gemini-heartbeat-{host}",
                                         daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop pinging (the peer left, or this host does); a vote it cast is withdrawn."""
         self._stop.set()
         self._client.close()
+        if self.suspected:
+            self.service.on_answer(self.host)
 
     def _run(self) -> None:
         timeout = self.service.timeout
         interval = timeout / 4
         answered = time.monotonic()  # a new peer gets a whole timeout to answer first
-        suspected = False
         while not self._stop.is_set():
             began = time.monotonic()
             try:
@@ -146,10 +149,10 @@ class _Pinger:
                 return
             if ok:
                 answered = now
-                if suspected:
-                    suspected = False
+                if self.suspected:
+                    self.suspected = False
                     self.service.on_answer(self.host)
-            elif not suspected and now - answered >= timeout:
-                suspected = True
+            elif not self.suspected and now - answered >= timeout:
+                self.suspected = True
                 self.service.on_silent(self.host, now - answered)
             self._stop.wait(max(0.0, began + interval - time.monotonic()))
