@@ -172,19 +172,21 @@ class CoordinationService:
             dead[host] = f"its supervisor no longer listens at {address}"
         return dead
 
+    def _running(self) -> dict[str, dict[str, Any]]:
+        """The records of the live hosts in a round (this one included), not lost."""
+        alive = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(self.prefix + "alive/")}
+        found = self.store.get_prefix(self.prefix + "hosts/")
+        lost = self.lost_hosts()
+        return {host: record for key, value in found.items()
+                if (host := key.rsplit("/", 1)[-1]) in alive and host not in lost
+                and (record := _parse_record(value)).get("state") == "running"}
+
     def running_peers(self) -> dict[str, tuple[str, int]]:
         """The other live hosts in a round, not lost, with their replication address."""
-        found = self.store.get_prefix(self.prefix + "hosts/")
-        alive = self.store.get_prefix(self.prefix + "alive/")
-        live = {key.rsplit("/", 1)[-1] for key in alive} - self.lost_hosts() - {self.host_id}
-        peers = {}
-        for key, value in found.items():
-            host, record = key.rsplit("/", 1)[-1], _parse_record(value)
-            address = record.get("replication")
-            if (host in live and record.get("state") == "running" and isinstance(address, list)
-                    and len(address) == 2):
-                peers[host] = (str(address[0]), int(address[1]))
-        return peers
+        return {host: (str(address[0]), int(address[1]))
+                for host, record in self._running().items()
+                if host != self.host_id and isinstance(address := record.get("replication"), list)
+                and len(address) == 2}
 
     def suspect(self, host: str, suspected: bool = True) -> int | None:
         """Vote that ``host``'s supervisor stopped answering heartbeats, or withdraw the
@@ -197,15 +199,12 @@ class CoordinationService:
             self.store.delete(votes_prefix + self.host_id)
             return None
         self.store.put(votes_prefix + self.host_id, b"1", lease=self._lease)
-        records = {key.rsplit("/", 1)[-1]: _parse_record(value)
-                   for key, value in self.store.get_prefix(self.prefix + "hosts/").items()}
-        alive = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(self.prefix + "alive/")}
-        record = records.get(host, {})
-        if host not in alive or record.get("state") != "running" or host in self.lost_hosts():
+        running = self._running()
+        record = running.pop(host, None)  # the others are the voters
+        if record is None or not isinstance(record.get("lease"), int):
             return None  # exited, or already lost
-        voters = {h for h in alive if records.get(h, {}).get("state") == "running"} - {host}
-        votes = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(votes_prefix)} & voters
-        if len(votes) < len(voters) // 2 + 1 or not isinstance(record.get("lease"), int):
+        votes = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(votes_prefix)} & set(running)
+        if len(votes) < len(running) // 2 + 1:
             return None
         self._declare_lost(host, record)
         for voter in votes:
