@@ -226,7 +226,7 @@ def _define_agent(base: type) -> type:
             if lost and lost != self._acted_on:
                 self._acted_on = frozenset(lost)
                 print(f"gemini: host(s) {', '.join(sorted(lost))} of this round lost (lease "
-                      "expired): restarting the round without them", file=sys.stderr,
+                      "gone): restarting the round without them", file=sys.stderr,
                       flush=True)
                 self._events.write("member_lost", round=self._round, lost=sorted(lost))
                 return 1

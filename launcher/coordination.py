@@ -108,6 +108,7 @@ class CoordinationService:
         self.persist_status: Callable[[], Mapping[int, int]] | None = None
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._probing = threading.Lock()
         self._campaigning = threading.Lock()
         self._stop = threading.Event()
         self._lease: Lease = store.grant_lease(ttl)
@@ -147,7 +148,11 @@ class CoordinationService:
         its replication server did: connection refused), with the evidence; each is now
         lost, and its lease revoked so that every other host learns at once. A host that
         is slow or unreachable is left to its lease."""
-        wanted = set(hosts) - {self.host_id} - self.lost_hosts()
+        with self._probing:  # one prober at a time: each host is declared once
+            return self._declare_dead(set(hosts))
+
+    def _declare_dead(self, hosts: set[str]) -> dict[str, str]:
+        wanted = hosts - {self.host_id} - self.lost_hosts()
         if not wanted or self.store.unreachable_within(0):  # no waiting out an outage here
             return {}
         try:

@@ -10,7 +10,11 @@ full priority, every ``timeout / 4`` seconds, each within what is left of ``time
 peer that has not answered for ``timeout`` seconds is suspected
 (:meth:`~launcher.coordination.CoordinationService.suspect`): it is lost once a majority
 of the other running hosts suspect it, and its lease is revoked so that every host
-learns at once. A peer that answers again withdraws the vote.
+learns at once. A peer that answers again withdraws the vote. A ping that fails at once
+(the connection was closed or refused: the peer's process is gone, its machine is not)
+needs no vote: the pinger probes the peer's port right away
+(:meth:`~launcher.coordination.CoordinationService.declare_dead`), so a killed
+supervisor is found within a ping interval.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 PEERS_EVERY = 1.0  # seconds between two reads of who the running peers are
 MIN_WAIT = 0.05  # the shortest wait for an answer
+PROBE_EVERY = 1.0  # seconds between two probes of a peer whose pings fail at once
 
 
 class HeartbeatService:
@@ -101,6 +106,20 @@ class HeartbeatService:
             self.events.write("host_unresponsive", lost=host, silent=round(silent, 3),
                               votes=votes)
 
+    def on_refused(self, host: str) -> bool:
+        """A ping to ``host`` failed at once: if nothing listens where its supervisor did,
+        it is gone (every host learns through its revoked lease). True if so."""
+        try:
+            dead = self.coordination.declare_dead([host])
+        except GeminiError as exc:
+            logger.warning("heartbeat: cannot declare host %s dead: %s", host, exc)
+            return False
+        for lost, evidence in dead.items():
+            print(f"gemini: host {lost} is gone ({evidence}): every host restarts without it",
+                  file=sys.stderr, flush=True)
+            self.events.write("host_dead", lost=lost, evidence=evidence)
+        return bool(dead)
+
     def on_answer(self, host: str) -> None:
         """``host`` answers again after it was suspected, or is no longer pinged."""
         logger.info("heartbeat: withdrawing the vote on host %s", host)
@@ -136,10 +155,12 @@ class _Pinger:
         timeout = self.service.timeout
         interval = timeout / 4
         answered = time.monotonic()  # a new peer gets a whole timeout to answer first
+        probed = -PROBE_EVERY
         while not self._stop.is_set():
             began = time.monotonic()
+            wait = max(MIN_WAIT, answered + timeout - began)
             try:
-                self._client.ping(max(MIN_WAIT, answered + timeout - began))
+                self._client.ping(wait)
                 ok = True
             except (GeminiError, OSError) as exc:
                 logger.debug("heartbeat: no answer from %s: %s", self.host, exc)
@@ -147,6 +168,10 @@ class _Pinger:
             now = time.monotonic()
             if self._stop.is_set():
                 return
+            if not ok and now - began < wait / 2 and now - probed >= PROBE_EVERY:
+                probed = now  # failed at once, not by waiting: is the peer's process gone?
+                if self.service.on_refused(self.host):
+                    return
             if ok:
                 answered = now
                 if self.suspected:

@@ -435,6 +435,8 @@ class Checkpointer:
         if not self.active or self._closed:
             return
         index = self._next_slot()
+        if self._pins is not None:
+            memory.write_seen(self._pins.view, step)
         if index is None:
             self.skipped += 1
             if self.skipped == 1:

@@ -151,7 +151,12 @@ def heartbeat_name(prefix: str) -> str:
 #: two steps its own slots must keep, which a save never overwrites: s*, the newest step
 #: every holder of every rank has (a host loss restores it), and the replication target
 #: (the first committed step at or after it is being pushed from its slot); -1: none.
-PINS = struct.Struct("<qq")
+#: A third field is the worker's: the step of its newest ``save()``, skipped or not, so
+#: that replication plans its next target from where training is, not from the last step
+#: a save could keep (while both slots are pinned, saves are skipped).
+PINS = struct.Struct("<qqq")
+_SEEN = struct.Struct("<q")
+_SEEN_OFFSET = 16
 
 
 def pins_name(prefix: str, rank: int) -> str:
@@ -168,12 +173,22 @@ def pins_prefix(name: str) -> str | None:
 
 
 def read_pins(buf: mmap.mmap) -> tuple[int, int]:
-    sstar, target = PINS.unpack_from(buf, 0)
+    sstar, target, _ = PINS.unpack_from(buf, 0)
     return int(sstar), int(target)
 
 
 def write_pins(buf: mmap.mmap, sstar: int, target: int) -> None:
-    PINS.pack_into(buf, 0, sstar, target)
+    """The supervisor's two fields (the worker's is left alone)."""
+    struct.pack_into("<qq", buf, 0, sstar, target)
+
+
+def read_seen(buf: mmap.mmap) -> int:
+    """The step of the worker's newest save (-1: none yet)."""
+    return int(_SEEN.unpack_from(buf, _SEEN_OFFSET)[0])
+
+
+def write_seen(buf: mmap.mmap, step: int) -> None:
+    _SEEN.pack_into(buf, _SEEN_OFFSET, step)
 
 
 def pinned_slots(headers: list[SlotHeader | None], pins: tuple[int, int]) -> set[int]:

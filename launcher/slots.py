@@ -190,6 +190,7 @@ class SlotOwner:
             segment = memory.create_segment(memory.pins_name(self.prefix, rank),
                                             memory.PINS.size)
             memory.write_pins(segment.view, -1, -1)
+            memory.write_seen(segment.view, -1)
             self._own_pins[rank] = segment
         pair = (self._replicas if replica else self._slots).setdefault(rank, [None, None])
         kept = self._kept_index(pair, self._pins.get(rank) if replica else None)
@@ -265,6 +266,21 @@ class SlotOwner:
             segment = self._own_pins.get(rank)
             if segment is not None and segment.buf is not None:
                 memory.write_pins(segment.view, sstar, target)
+
+    def seen(self, rank: int) -> int:
+        """The step of ``rank``'s worker's newest save, kept or skipped (-1: none)."""
+        with self._lock:
+            segment = self._own_pins.get(rank)
+            if segment is None or segment.buf is None:
+                return -1
+            return memory.read_seen(segment.view)
+
+    def forget_seen(self) -> None:
+        """A new round: the workers start over from the restored step."""
+        with self._lock:
+            for segment in self._own_pins.values():
+                if segment.buf is not None:
+                    memory.write_seen(segment.view, -1)
 
     def pinned(self, rank: int) -> int | None:
         with self._lock:

@@ -195,8 +195,10 @@ def test_etcd_v3_rendezvous_survives_the_first_host(tmp_path: Path) -> None:
             output = "".join(lines) + out
             assert second.returncode == 0, output[-4000:]
             # the survivor went on alone, as rank 0 of a world of 1, from its memory: the
-            # job shrank (it had the state of a world of 2)
-            resumed = re.search(r"^resume rank=0 start=(\d+) attempt=1 ", out, re.M)
+            # job shrank (it had the state of a world of 2). Whether that restart counts
+            # against --max-restarts depends on who noticed first: its own failed worker
+            # (a failure) or a heartbeat (a membership change).
+            resumed = re.search(r"^resume rank=0 start=(\d+) attempt=[01] ", out, re.M)
             assert resumed and int(resumed.group(1)) > 0, output[-4000:]
             assert "step 399 " in out
         finally:

@@ -978,9 +978,13 @@ def test_saves_never_overwrite_pinned_steps_and_skip_when_both_are(
     ckpt.save(3)
     ckpt.wait()
     assert steps() == [0, 2] and ckpt.skipped == 1
+    # the supervisor still learns where training is: its next target lies past step 3
+    assert owner.seen(0) == 3
     owner.pin_own(0, 2, 5)  # step 2 is the new s*: step 4 goes over step 0
     _train(model, opt)
     ckpt.save(4)
     ckpt.wait()
-    assert steps() == [2, 4] and ckpt.skipped == 1
+    assert steps() == [2, 4] and ckpt.skipped == 1 and owner.seen(0) == 4
+    owner.forget_seen()  # a new round starts over from the step it restores
+    assert owner.seen(0) == -1
     ckpt.close()

@@ -181,6 +181,7 @@ class ReplicationService:
             self._pushed.clear()  # the job may have gone back to an older step
             self._sources.clear()
             self._restored = restored
+            self.owner.forget_seen()
             self._node, self._nodes, self._round_id = node, nodes, round_id
             for rank in self.owner.segments():  # kept until this round's first s*
                 self.owner.pin_own(rank, restored if nodes > 1 else -1, -1)
@@ -280,13 +281,17 @@ class ReplicationService:
 
     # -- the lock step ------------------------------------------------------------------------
     def _newest(self, own: Mapping[int, list[memory.Segment]]) -> int:
-        """The newest step every local rank has committed (-1: none), tracking the
-        iteration time on the way."""
+        """The newest step every local rank has reached (-1: none): the newest it committed
+        or, while its saves are skipped (both slots pinned during a push), the newest it
+        saved; tracking the iteration time on the way."""
         steps = []
         for rank, segments in own.items():
             headers = [h for seg in segments if (h := memory.read_header(seg.view)) is not None
                        and h.state is memory.SlotState.COMMITTED]
             step = max((h.step for h in headers), default=-1)
+            seen = self.owner.seen(rank)
+            if step <= seen <= step + progress.MAX_EVERY:  # the worker's word, within reason
+                step = seen
             self._observe(rank, step)
             steps.append(step)
         return min(steps, default=-1)
