@@ -310,7 +310,8 @@ def main() -> None:
     ckpt.close()
     if rank == 0:
         print(f"done steps={args.steps} final_loss={loss:.4f} "
-              f"median_step_ms={median_ms(step_times):.2f}", flush=True)
+              f"median_step_ms={median_ms(step_times):.2f} "
+              f"first_step_ms={1e3 * step_times[0] if step_times else 0:.1f}", flush=True)
         if stalls and not args.no_checkpoint:
             print(f"checkpoint stall per step: median_stall_ms={median_ms(stalls):.3f} "
                   f"max_stall_ms={1e3 * max(stalls):.3f}", flush=True)

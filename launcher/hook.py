@@ -310,6 +310,35 @@ def _model_state(model: torch.nn.Module) -> dict[str, Any]:
     return state
 
 
+def _after_first_step(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """The shape of ``optimizer.state_dict()`` after its first step, while it has no state
+    yet (torch's optimizers create it then): from a twin of the same class stepped once
+    over shape-only ("meta") copies of the parameters. None when it has state already,
+    or the twin cannot be made (a fused or custom optimizer, sharded parameters)."""
+    if optimizer.state:
+        return None
+    try:
+        params = [[torch.empty_like(p, device="meta") for p in group["params"]]
+                  for group in optimizer.param_groups]
+        if any(_is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
+            return None
+        kind: Any = type(optimizer)  # torch's optimizers take (params, **defaults)
+        twin = kind([{**{k: v for k, v in group.items() if k != "params"},
+                                 "params": metas}
+                                for group, metas in zip(optimizer.param_groups, params,
+                                                        strict=True)])
+        for metas in params:
+            for p in metas:
+                p.grad = torch.empty_like(p)
+        twin.step()
+        after: dict[str, Any] = twin.state_dict()
+    except Exception as exc:  # any failure: the first save allocates instead
+        logger.debug("gemini: cannot foresee the optimizer's state: %s", exc)
+        return None
+    after["param_groups"] = optimizer.state_dict()["param_groups"]
+    return after
+
+
 def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None))
@@ -347,6 +376,8 @@ class Checkpointer:
         self._newest: int | None = None  # slot index holding the newest committed step
         self._seq = 0
         self._worker: _Worker | None = None
+        self._saved = False  # whether save() was called yet
+        self._reserved: threading.Event | None = None  # set once the slots are reserved
         self._pending: threading.Event | None = None
         self._error: BaseException | None = None
         self._conn: socket.socket | None = None
@@ -382,15 +413,24 @@ class Checkpointer:
             return 0
         self._wait()
         step = int(os.environ.get(ENV_RESTORE_STEP, "-1"))
+        verified = _verified_seqs().get(self.rank)
+        if step >= 0:  # a pull from a peer may still be on its way: wait for this rank's
+            seq = self._request({"op": "await", "rank": self.rank}).get("seq")
+            verified = verified if seq is None else int(seq)
         self._attach_existing()
         if step < 0 and all(segment is None for segment in self._segments):
-            # Fail before training, not at the first save, if /dev/shm is too small.
+            # Fail before training, not at the first save, if /dev/shm is too small; then
+            # reserve and pre-fault both slots in the background, so that the first save
+            # costs no more than a steady one.
+            state = self._capture()
+            if self.optimizer is not None and (after := _after_first_step(self.optimizer)):
+                state["optimizer"] = after  # its state appears at the first step
             tensors: list[tuple[str, torch.Tensor]] = []
-            _flatten(self._capture(), "", tensors)
-            data = sum((_tensor_bytes(t) + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
-                       for _, t in tensors)
-            nbytes = memory.slot_size(data, 0)
+            tree = _encode(state, "", tensors, {})
+            nbytes = _slot_bytes(tensors, len(tree))
             self._request({"op": "check", "rank": self.rank, "nbytes": nbytes})
+            self._reserved = threading.Event()
+            self._copier().submit(lambda: self._reserve(nbytes), self._reserved)
         if step < 0:
             self._discard_newer_than(-1)
             return 0
@@ -402,7 +442,7 @@ class Checkpointer:
         header = memory.read_header(segment.view)
         assert header is not None
         meta = memory.read_meta(segment.view, header)
-        if header.seq != _verified_seqs().get(self.rank):  # else the supervisor just did
+        if header.seq != verified:  # else the supervisor just did
             memory.verify(segment.view, header, meta)
         global _prefetch
         prefetched = _prefetch.take(segment.name, header.seq) if _prefetch is not None else {}
@@ -449,15 +489,32 @@ class Checkpointer:
             ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
             ready.record()
         encoded = None
-        if self._worker is None:
-            # On the CPU the thread takes only idle CPU time; with CUDA it queues the GPU's
-            # copies, which must not wait for a core.
-            self._worker = _Worker(idle=ready is None)
+        if not self._saved:
+            self._saved = True
             # The first save encodes here: a value it cannot save fails this call.
             encoded = self._encode(state)
         done = threading.Event()
         self._pending = done
-        self._worker.submit(lambda: self._copy(index, step, state, encoded, ready), done)
+        self._copier(ready is None).submit(
+            lambda: self._copy(index, step, state, encoded, ready), done)
+
+    def _copier(self, idle: bool | None = None) -> _Worker:
+        """The background copy thread, started on first use: on the CPU it takes only idle
+        CPU time; with CUDA it queues the GPU's copies, which must not wait for a core."""
+        if self._worker is None:
+            if idle is None:
+                idle = not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            self._worker = _Worker(idle=idle)
+        return self._worker
+
+    def _reserve(self, nbytes: int) -> None:
+        """Create both slots at ``nbytes`` and map them (the copy thread, before the first
+        save: its job queues behind this one)."""
+        try:
+            for index in range(2):
+                self._slot_for(index, nbytes)
+        except BaseException as exc:  # the first save tries again, and reports it
+            logger.debug("gemini: rank %d could not reserve its slots: %s", self.rank, exc)
 
     def wait(self) -> None:
         """Block until the last ``save`` is committed; re-raise its error, if any."""
@@ -482,6 +539,8 @@ class Checkpointer:
         if self._closed:
             return
         try:
+            if self._reserved is not None:
+                self._reserved.wait()
             self._wait()
         finally:
             self._closed = True
@@ -737,8 +796,7 @@ class Checkpointer:
                 if small[i] == first_pass:
                     offsets[i] = offset
                     offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
-        meta_estimate = tree_len + _META_FRAME + sum(len(p) + 200 for p, _ in tensors)
-        segment = self._slot_for(index, memory.slot_size(offset, meta_estimate))
+        segment = self._slot_for(index, _slot_bytes(tensors, tree_len))
         if any(t.is_cuda for _, t in tensors):
             self._pin(segment)
         buf = segment.view
@@ -802,6 +860,15 @@ class Checkpointer:
                                  for r in layout.records)
         self._layouts[index] = layout
         return layout
+
+
+def _slot_bytes(tensors: list[tuple[str, torch.Tensor]], tree_len: int) -> int:
+    """The size of a slot for ``tensors`` with a tree of ``tree_len`` bytes of JSON: the
+    aligned tensors and room for the metadata, which grows a little (values in ``extra``
+    like a list of losses)."""
+    data = sum((_tensor_bytes(t) + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
+               for _, t in tensors)
+    return memory.slot_size(data, tree_len + _META_FRAME + sum(len(p) + 200 for p, _ in tensors))
 
 
 @dataclass

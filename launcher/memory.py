@@ -216,6 +216,8 @@ def shm_dir() -> Path:
     name another user took first (a file, a link, a directory not ours) is reported and
     skipped: it can delay nothing but the adoption of an earlier run's memory."""
     global _SHM_DIR
+    if _SHM_DIR is not None and not os.path.isdir(_SHM_DIR):
+        _SHM_DIR = None  # another run of this user removed it when it emptied: make it anew
     if _SHM_DIR is None:
         found = _private_dir(Path(os.environ.get("GEMINI_SHM_DIR", "/dev/shm")))
         assert found is not None  # created

@@ -358,15 +358,21 @@ joins the new one within milliseconds, but is briefly in neither."""
 
 
 def members_first(node: Any, members: frozenset[Any], participants: Iterable[Any],
-                  heartbeats: Iterable[Any], open_for: float, grace: float) -> bool:
+                  heartbeats: Iterable[Any], open_for: float, grace: float, *,
+                  gone: frozenset[str] = frozenset(), max_nodes: int = 0) -> bool:
     """Whether ``node`` may join a round that has been open for ``open_for`` seconds,
     the last complete round having had ``members``: yes for a member; a spare (any other
-    node) once every member still alive (heartbeating) has joined, at least
-    :data:`SETTLE` seconds after the round opened, or in any case after ``grace``
-    seconds (a member that never comes back cannot keep the round from forming)."""
+    node) at once while the round has room for it beside every member that is not known
+    lost (``gone``: their ``repr``) and has yet to rejoin, else once every member still
+    alive (heartbeating) has joined, at least :data:`SETTLE` seconds after the round
+    opened, or in any case after ``grace`` seconds (a member that never comes back
+    cannot keep the round from forming)."""
     if node in members or open_for >= grace:
         return True
     joined, alive = set(participants), set(heartbeats)
+    returning = [m for m in members if m not in joined and repr(m) not in gone]
+    if max_nodes and len(joined) + len(returning) < max_nodes:
+        return True
     return open_for >= SETTLE and not any(m in alive and m not in joined for m in members)
 
 
@@ -419,8 +425,10 @@ def _members_first(join: Any) -> Any:
             last.opened = time.monotonic()
         grace = (settings.keep_alive_interval * settings.keep_alive_max_attempt
                  ).total_seconds() + 2 * SETTLE
+        gone = _GONE[0]() if _GONE else frozenset()
         if members_first(ctx.node, last.members, state.participants, state.last_heartbeats,
-                         time.monotonic() - last.opened, grace):
+                         time.monotonic() - last.opened, grace, gone=gone,
+                         max_nodes=settings.max_nodes):
             return action
         return _Action.KEEP_ALIVE if _should_keep_alive(ctx) else _Action.SYNC
 

@@ -18,8 +18,8 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,11 +118,14 @@ class SlotOwner:
         me = psutil.Process()
         record = {"pid": me.pid, "started": me.create_time(), "run_id": self.run_id,
                   "host": self.host_id}
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o600)
+            fd = os.open(path, flags, 0o600)
         except FileExistsError:  # another supervisor claimed it a moment ago
             return False
+        except FileNotFoundError:  # the last other run of this user removed the directory
+            path = memory.SHM_DIR / owner_name(self.prefix)  # just now: it is made anew
+            fd = os.open(path, flags, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(json.dumps(record))
         adopted = 0
@@ -461,7 +464,10 @@ class SlotServer:
 
     Requests and replies are single JSON lines: ``{"op": "alloc", "rank": R, "nbytes": N}``
     -> ``{"ok": true, "slots": [name0, name1]}``; ``{"op": "check", ...}`` (can /dev/shm
-    hold slots of N bytes?) -> ``{"ok": true}``. An allocation that /dev/shm cannot hold
+    hold slots of N bytes?) -> ``{"ok": true}``; ``{"op": "await", "rank": R}`` -> once
+    the restore step of rank R is in this host's memory (a pull from a peer may still be
+    on its way when the worker starts), ``{"ok": true, "seq": S}`` (S: the seq of the
+    slot the supervisor verified, or null). An allocation that /dev/shm cannot hold
     is fatal for the run: it is kept in :attr:`fatal` for the supervisor to stop the job.
 
     The socket's name is visible to every local user (/proc/net/unix): a connection is
@@ -476,6 +482,9 @@ class SlotServer:
         self.fatal: StorageError | None = None
         self.ranks: frozenset[int] | None = None
         """The global ranks this host runs in the current round (None: any)."""
+        self.arrival: Callable[[int], int | None] = lambda rank: None
+        """Blocks until ``rank``'s restore step is in memory; its verified seq, or None.
+        Raises CheckpointError when it could not be brought in."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(self.address)
         self._sock.listen(64)
@@ -512,6 +521,8 @@ class SlotServer:
                 except StorageError as exc:
                     self.fatal = self.fatal or exc
                     reply = {"ok": False, "error": str(exc), "fatal": True}
+                except CheckpointError as exc:  # this round's restore failed: the worker says so
+                    reply = {"ok": False, "error": str(exc)}
                 except (ValueError, KeyError, TypeError) as exc:
                     reply = {"ok": False, "error": f"bad request: {exc}"}
                 stream.write((json.dumps(reply) + "\n").encode())
@@ -530,6 +541,8 @@ class SlotServer:
         if op == "check":
             self.owner.check_capacity(rank, int(request["nbytes"]))
             return {"ok": True}
+        if op == "await":
+            return {"ok": True, "seq": self.arrival(rank)}
         raise ValueError(f"unknown op {op!r}")
 
     def close(self) -> None:
@@ -565,14 +578,26 @@ class MemoryService:
                  persist: PersistWriter | None = None) -> None:
         self.owner = owner
         self.server = SlotServer(owner)
+        self.server.arrival = self._arrival
+        self._arrivals: dict[int, Future[int | None]] = {}  # rank -> its restore, on its way
+        self._pulling: threading.Thread | None = None
         self.events = events
         self.replication = replication
         self.persist = persist
         os.environ[ENV_SOCKET] = self.server.env_address
         os.environ[ENV_PREFIX] = self.owner.prefix
 
+    def _arrival(self, rank: int) -> int | None:
+        """Wait until ``rank``'s restore step is in this host's memory (the slot server's
+        ``await``); the seq of its verified slot, or None."""
+        arrival = self._arrivals.get(rank)
+        return None if arrival is None else arrival.result()
+
     def before_start(self, group: WorkerGroup, store: Store) -> None:
         started = time.monotonic()
+        if self._pulling is not None:  # the last round's transfers end before this one's
+            self._pulling.join()
+            self._pulling = None
         if self.replication is not None:
             self.replication.pause()
         ranks = [w.global_rank for w in group.workers]
@@ -605,25 +630,46 @@ class MemoryService:
             self.events.write("restore_incomplete", why=why,
                               reports={str(k): v for k, v in reports.items()})
         scanned = time.monotonic()
-        used = self._bring_in(plan, ranks, reports)
         restore = -1 if plan.step is None else plan.step
         self.owner.discard_newer_than(restore)
         self.owner.reset_pins(restore)  # kept until this round's first s*
         if self.persist is not None:
             self.persist.rewind(restore)  # later files belong to the abandoned attempt
+        # Copies in this host's memory are brought in now; pulls from peers and loads from
+        # files go on while the workers start (each worker's restore awaits its own rank).
+        here = [r for r in ranks if (sources := plan.sources.get(r)) and sources[0].tier is Tier.MEMORY]
+        used = self._bring_in(plan, here, reports)
         os.environ[ENV_RESTORE_STEP] = str(restore)
         os.environ[ENV_RESTORE_VERIFIED] = ",".join(
-            f"{rank}:{seq}" for rank, seq in self._verified(ranks, restore).items())
+            f"{rank}:{seq}" for rank, seq in self._verified(here, restore).items())
         if plan.world_size is not None:
             print(f"gemini: the job now has {world_size} ranks instead of {plan.world_size}: "
                   f"each rank resumes step {plan.step} from a whole copy of the state (rank r "
                   f"from rank r % {plan.world_size})", file=sys.stderr, flush=True)
-        self.events.write("restore_plan", step=plan.step, local=report["local"],
-                          world_size=world_size, from_world_size=plan.world_size,
-                          replicas=report["replicas"], persist=report["persist"],
-                          sources={str(rank): used[rank] for rank in sorted(used)},
-                          scan_seconds=round(scanned - started, 4),
-                          transfer_seconds=round(time.monotonic() - scanned, 4))
+        arrivals: dict[int, Future[int | None]] = {
+            rank: Future() for rank in ranks if rank not in used and plan.step is not None}
+        self._arrivals = arrivals
+
+        def bring_in_the_rest() -> None:
+            for rank, arrival in arrivals.items():
+                try:
+                    used.update(self._bring_in(plan, [rank], reports))
+                    arrival.set_result(self._verified([rank], restore).get(rank))
+                except GeminiError as exc:
+                    arrival.set_exception(exc)
+            self.events.write("restore_plan", step=plan.step, local=report["local"],
+                              world_size=world_size, from_world_size=plan.world_size,
+                              replicas=report["replicas"], persist=report["persist"],
+                              sources={str(rank): used[rank] for rank in sorted(used)},
+                              scan_seconds=round(scanned - started, 4),
+                              transfer_seconds=round(time.monotonic() - scanned, 4))
+
+        if arrivals:
+            self._pulling = threading.Thread(target=bring_in_the_rest, name="gemini-restore",
+                                             daemon=True)
+            self._pulling.start()
+        else:
+            bring_in_the_rest()
         if self.replication is not None:
             addresses = {peer: (str(r["address"][0]), int(r["address"][1]))
                          for peer, r in reports.items() if r.get("address")}

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from hosts import wait_for
 
 from launcher import hook, memory, rng
 from launcher.errors import CheckpointError, StorageError
@@ -463,9 +464,10 @@ def test_stall_counts_the_loops_time_in_save_and_waits(supervisor: SlotServer) -
     assert ckpt.stalled > 0
     ckpt.wait()
     before = ckpt.stalled
+    model(torch.randn(4, model[0].in_features)).square().mean().backward()
     ckpt._pending = threading.Event()  # a copy that ends in 0.2 s: the pre-step hook waits
     threading.Timer(0.2, ckpt._pending.set).start()
-    _train(model, opt)
+    opt.step()
     assert ckpt.stalled - before >= 0.1
     ckpt.close()
 
@@ -900,8 +902,11 @@ if sys.argv[2] == "orphan":  # the child is adopted by init: not a worker
         time.sleep(0.01)
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 sock.connect("\\0" + address[1:])
-sock.sendall(json.dumps({"op": "alloc", "rank": int(sys.argv[3]), "nbytes": 1 << 40}).encode()
-             + b"\\n")
+try:
+    sock.sendall(json.dumps({"op": "alloc", "rank": int(sys.argv[3]), "nbytes": 1 << 40}).encode()
+                 + b"\\n")
+except BrokenPipeError:  # refused before the request was sent: the refusal is there to read
+    pass
 print(sock.makefile().readline(), flush=True)
 """
 
@@ -949,6 +954,32 @@ def test_pinned_slots_are_the_ones_holding_sstar_and_the_first_step_at_the_targe
                                (4, 8)) == set()  # a slot being written holds nothing
 
 
+def test_a_fresh_start_reserves_both_slots_before_the_first_save(
+        supervisor: SlotServer) -> None:
+    """``restore()`` on a fresh start creates both slots at the state's size in the
+    background; the first saves write into those very segments (no allocation on the
+    training path)."""
+    model, opt = _model(width=64)
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    assert ckpt.restore() == 0
+    prefix = supervisor.owner.prefix
+
+    def slots() -> dict[str, tuple[int, int]]:
+        return {p.name: (p.stat().st_ino, p.stat().st_size)
+                for p in memory.shm_dir().glob(prefix + "r0-s*")}
+
+    wait_for(lambda: len(slots()) == 2, 30, "both slots reserved", [])
+    reserved = slots()
+    for step in range(3):
+        _train(model, opt)
+        ckpt.save(step)
+    ckpt.wait()
+    assert slots() == reserved
+    assert sorted(s.valid_step for s in memory.iter_slots(prefix)
+                  if s.valid_step is not None) == [1, 2]
+    ckpt.close()
+
+
 def test_saves_never_overwrite_pinned_steps_and_skip_when_both_are(
         supervisor: SlotServer) -> None:
     """The supervisor pins s* and the replication target of rank 0 (``pin_own``): a save
@@ -988,3 +1019,19 @@ def test_saves_never_overwrite_pinned_steps_and_skip_when_both_are(
     owner.forget_seen()  # a new round starts over from the step it restores
     assert owner.seen(0) == -1
     ckpt.close()
+
+
+def test_the_segment_directory_is_made_anew_when_another_run_removed_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The last run of a user to end on a host removes the user's empty segment directory;
+    a run that resolved the directory before (and had no segment in it yet) makes it anew
+    rather than failing on its first segment."""
+    monkeypatch.setenv("GEMINI_SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(memory, "_SHM_DIR", None)
+    directory = memory.shm_dir()
+    directory.rmdir()  # what release_shm_dir does in the other run
+    owner = SlotOwner(run_id="anew", host_id="h0", local_world_size=1)
+    try:
+        assert len(owner.allocate(0, 1 << 16)) == 2 and directory.is_dir()
+    finally:
+        owner.close()

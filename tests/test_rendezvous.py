@@ -78,6 +78,12 @@ def test_the_last_rounds_members_join_before_spares() -> None:
     assert members_first("s", members, ["a"], ["a", "s"], SETTLE, 10.0)  # b is gone
     assert members_first("s", members, ["a"], ["a", "b", "s"], 10.0, 10.0)  # grace over
     assert members_first("s", frozenset(), [], [], SETTLE, 10.0)  # no last round seen
+    # b is known lost: a spare joins at once while the round has room beside a's return
+    assert members_first("s", members, [], ["s"], 0.0, 10.0, gone=frozenset({"'b'"}),
+                         max_nodes=2)
+    assert not members_first("s", members, ["t"], ["s", "t"], 0.0, 10.0,
+                             gone=frozenset({"'b'"}), max_nodes=2)  # a second spare: no room
+    assert not members_first("s", members, [], ["s"], 0.0, 10.0, max_nodes=2)  # none known lost
 
 
 def test_known_dead_nodes_leave_the_rendezvous_state_at_once() -> None:
