@@ -25,6 +25,7 @@ readers ignore. No pickle: a slot is read with ``json`` and ``torch.frombuffer``
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import hashlib
 import itertools
@@ -35,6 +36,7 @@ import os
 import re
 import stat
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,17 +314,47 @@ def shm_free_bytes() -> int:
     return stats.f_bavail * stats.f_frsize
 
 
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+POPULATE_CHUNK = 32 << 20
+_LIBC: list[Any] = []
+
+
+def _populate(buf: mmap.mmap) -> None:
+    """Map every page of ``buf`` for writing now, with the GIL released: first-touch
+    faults cost several times a warm copy. ``mmap``'s MAP_POPULATE does the same but
+    holds the GIL (CPython before 3.13) and the process's memory-map lock for the whole
+    call: a supervisor mapping a fresh 1 GiB replica answered no heartbeat for most of a
+    second, and a worker's copy thread would stall its training loop as long. A kernel
+    without the advice leaves the pages to fault in on first use."""
+    if not _LIBC:
+        libc = ctypes.CDLL(None, use_errno=True)  # ctypes calls release the GIL
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _LIBC.append(libc)
+    if not len(buf):
+        return
+    anchor = ctypes.c_char.from_buffer(buf)
+    address = ctypes.addressof(anchor)
+    del anchor  # release the buffer export: the mapping itself stays
+    # In chunks: each call holds the process's memory-map lock, which the other threads'
+    # allocations (large ones map memory) wait for.
+    for start in range(0, len(buf), POPULATE_CHUNK):
+        length = min(POPULATE_CHUNK, len(buf) - start)
+        if _LIBC[0].madvise(address + start, length, _MADV_POPULATE_WRITE) != 0:
+            return
+
+
 class Segment:
     """A mapped shared-memory segment. ``close`` unmaps; only its owner unlinks it."""
 
     def __init__(self, name: str, fd: int, size: int, *, populate: bool = True) -> None:
         self.name = name
         self.size = size
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         try:
-            self.buf: mmap.mmap | None = mmap.mmap(fd, size, flags=flags)
+            self.buf: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
+        if populate:
+            _populate(self.buf)
 
     @property
     def path(self) -> Path:
@@ -344,26 +376,28 @@ class Segment:
 
 
 def create_segment(name: str, size: int) -> Segment:
-    """Create (replacing any old file of that name) and pre-fault a segment of ``size``."""
+    """Create (replacing any old file of that name) and pre-fault a segment of ``size``.
+    It is made under a temporary name and renamed into place once sized, so that no
+    reader ever opens it empty or half-allocated."""
     global _SHM_DIR
-    path = shm_dir() / name
-    path.unlink(missing_ok=True)
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    temporary = f".creating-{os.getpid()}-{threading.get_native_id()}-{name}"
     try:
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(shm_dir() / temporary, flags, 0o600)
     except FileNotFoundError:  # another run on the host released the directory just now
         _SHM_DIR = None
-        path = shm_dir() / name
-        fd = os.open(path, flags, 0o600)
+        fd = os.open(shm_dir() / temporary, flags, 0o600)
+    where = shm_dir()
     try:
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)  # pre-fault: first-touch pages cost ~7x a warm copy
+        os.rename(where / temporary, where / name)
     except OSError as exc:
         os.close(fd)
-        path.unlink(missing_ok=True)
-        raise StorageError(f"cannot allocate {size} bytes in {shm_dir()} for {name}: "
+        (where / temporary).unlink(missing_ok=True)
+        raise StorageError(f"cannot allocate {size} bytes in {where} for {name}: "
                            f"{exc.strerror}") from None
-    return Segment(name, fd, size)
+    return Segment(name, fd, size, populate=False)  # its writer maps it for itself
 
 
 def attach_segment(name: str, *, populate: bool = True) -> Segment:
