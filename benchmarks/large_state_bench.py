@@ -96,7 +96,7 @@ def main() -> None:
     for size in sizes:
         model, steps = SIZES[size]
 
-        def median(launcher: str, save: bool, key: str) -> float:
+        def median(launcher: str, save: bool, key: str, size: str = size) -> float:
             return statistics.median(r[key] for r in found[size, launcher, save])
 
         rows = []
