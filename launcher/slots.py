@@ -655,8 +655,9 @@ class MemoryService:
                 try:
                     used.update(self._bring_in(plan, [rank], reports))
                     arrival.set_result(self._verified([rank], restore).get(rank))
-                except GeminiError as exc:
-                    arrival.set_exception(exc)
+                except Exception as exc:  # the worker's restore fails with it, and says why
+                    arrival.set_exception(CheckpointError(f"rank {rank}: step {restore} could "
+                                                          f"not be brought in: {exc}"))
             self.events.write("restore_plan", step=plan.step, local=report["local"],
                               world_size=world_size, from_world_size=plan.world_size,
                               replicas=report["replicas"], persist=report["persist"],

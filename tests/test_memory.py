@@ -1035,3 +1035,25 @@ def test_the_segment_directory_is_made_anew_when_another_run_removed_it(
         assert len(owner.allocate(0, 1 << 16)) == 2 and directory.is_dir()
     finally:
         owner.close()
+
+
+def test_a_restore_that_could_not_be_brought_in_fails_the_worker_not_the_service(
+        supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's restore() awaits its rank's step (a pull may still be on its way); when
+    the supervisor could not bring it in, the restore fails with the reason and the slot
+    service goes on (the next round plans again)."""
+    _save_two_steps()
+    waited: list[int] = []
+
+    def arrival(rank: int) -> int | None:
+        waited.append(rank)
+        raise CheckpointError(f"rank {rank}: step 1 could not be brought in: peer gone")
+
+    supervisor.arrival = arrival
+    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "1")
+    model, opt = _model()
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    with pytest.raises(StorageError, match="could not be brought in: peer gone"):
+        ckpt.restore()
+    ckpt.close()
+    assert waited == [0] and supervisor.fatal is None
