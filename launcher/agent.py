@@ -35,7 +35,7 @@ from launcher.errors import (
     UsageError,
     WorkerFailedError,
 )
-from launcher.events import EventLog, run_directory
+from launcher.events import EventLog, report_dead, run_directory
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
@@ -436,11 +436,8 @@ def _define_agent(base: type) -> type:
                 )
                 # A peer's death is the usual cause of a healthy worker's communication
                 # error: if its supervisor is gone, every host learns it now.
-                for host, evidence in self._declare_dead(self._members - {self._host_id}).items():
-                    print(f"gemini: host {host} is gone ({evidence}): every host restarts "
-                          "without it", file=sys.stderr, flush=True)
-                    self._events.write("host_dead", round=self._round, lost=host,
-                                       evidence=evidence)
+                report_dead(self._events, self._declare_dead(self._members - {self._host_id}),
+                            round=self._round)
                 self._after_failure(worker_group)
             return result
 

@@ -11,8 +11,9 @@ import json
 import os
 import re
 import socket
+import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,15 @@ class EventLog:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def report_dead(events: EventLog, dead: Mapping[str, str], **fields: Any) -> None:
+    """Say on stderr and as ``host_dead`` events that the hosts of ``dead`` (host ->
+    evidence) are gone."""
+    for host, evidence in dead.items():
+        print(f"gemini: host {host} is gone ({evidence}): every host restarts without it",
+              file=sys.stderr, flush=True)
+        events.write("host_dead", lost=host, evidence=evidence, **fields)
 
 
 def read_events(run_dir: Path) -> Iterator[dict[str, Any]]:

@@ -27,12 +27,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from launcher.errors import GeminiError
+from launcher.events import EventLog, report_dead
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.agent.server.api import WorkerGroup
 
     from launcher.coordination import CoordinationService
-    from launcher.events import EventLog
     from launcher.replication.transport import Client
 
 logger = logging.getLogger(__name__)
@@ -114,10 +114,7 @@ class HeartbeatService:
         except GeminiError as exc:
             logger.warning("heartbeat: cannot declare host %s dead: %s", host, exc)
             return False
-        for lost, evidence in dead.items():
-            print(f"gemini: host {lost} is gone ({evidence}): every host restarts without it",
-                  file=sys.stderr, flush=True)
-            self.events.write("host_dead", lost=lost, evidence=evidence)
+        report_dead(self.events, dead)
         return bool(dead)
 
     def on_answer(self, host: str) -> None:

@@ -315,21 +315,18 @@ def _after_first_step(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None
     yet (torch's optimizers create it then): from a twin of the same class stepped once
     over shape-only ("meta") copies of the parameters. None when it has state already,
     or the twin cannot be made (a fused or custom optimizer, sharded parameters)."""
-    if optimizer.state:
+    if optimizer.state or any(_is_dtensor(p) for group in optimizer.param_groups
+                              for p in group["params"]):
         return None
     try:
-        params = [[torch.empty_like(p, device="meta") for p in group["params"]]
+        groups = [{**group, "params": [torch.empty_like(p, device="meta")
+                                       for p in group["params"]]}
                   for group in optimizer.param_groups]
-        if any(_is_dtensor(p) for group in optimizer.param_groups for p in group["params"]):
-            return None
-        kind: Any = type(optimizer)  # torch's optimizers take (params, **defaults)
-        twin = kind([{**{k: v for k, v in group.items() if k != "params"},
-                                 "params": metas}
-                                for group, metas in zip(optimizer.param_groups, params,
-                                                        strict=True)])
-        for metas in params:
-            for p in metas:
+        for group in groups:
+            for p in group["params"]:
                 p.grad = torch.empty_like(p)
+        kind: Any = type(optimizer)  # torch's optimizers take (params, **defaults)
+        twin = kind(groups)
         twin.step()
         after: dict[str, Any] = twin.state_dict()
     except Exception as exc:  # any failure: the first save allocates instead
@@ -513,7 +510,7 @@ class Checkpointer:
         try:
             for index in range(2):
                 self._slot_for(index, nbytes)
-        except BaseException as exc:  # the first save tries again, and reports it
+        except Exception as exc:  # the first save tries again, and reports it
             logger.debug("gemini: rank %d could not reserve its slots: %s", self.rank, exc)
 
     def wait(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import hashlib
 import itertools
 import json
@@ -157,6 +158,7 @@ def heartbeat_name(prefix: str) -> str:
 #: that replication plans its next target from where training is, not from the last step
 #: a save could keep (while both slots are pinned, saves are skipped).
 PINS = struct.Struct("<qqq")
+_SUPERVISOR_PINS = struct.Struct("<qq")  # PINS' first two fields
 _SEEN = struct.Struct("<q")
 _SEEN_OFFSET = 16
 
@@ -181,7 +183,7 @@ def read_pins(buf: mmap.mmap) -> tuple[int, int]:
 
 def write_pins(buf: mmap.mmap, sstar: int, target: int) -> None:
     """The supervisor's two fields (the worker's is left alone)."""
-    struct.pack_into("<qq", buf, 0, sstar, target)
+    _SUPERVISOR_PINS.pack_into(buf, 0, sstar, target)
 
 
 def read_seen(buf: mmap.mmap) -> int:
@@ -316,7 +318,13 @@ def shm_free_bytes() -> int:
 
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 POPULATE_CHUNK = 32 << 20
-_LIBC: list[Any] = []
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)  # ctypes calls release the GIL
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def _populate(buf: mmap.mmap) -> None:
@@ -326,10 +334,6 @@ def _populate(buf: mmap.mmap) -> None:
     call: a supervisor mapping a fresh 1 GiB replica answered no heartbeat for most of a
     second, and a worker's copy thread would stall its training loop as long. A kernel
     without the advice leaves the pages to fault in on first use."""
-    if not _LIBC:
-        libc = ctypes.CDLL(None, use_errno=True)  # ctypes calls release the GIL
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _LIBC.append(libc)
     if not len(buf):
         return
     anchor = ctypes.c_char.from_buffer(buf)
@@ -339,7 +343,7 @@ def _populate(buf: mmap.mmap) -> None:
     # allocations (large ones map memory) wait for.
     for start in range(0, len(buf), POPULATE_CHUNK):
         length = min(POPULATE_CHUNK, len(buf) - start)
-        if _LIBC[0].madvise(address + start, length, _MADV_POPULATE_WRITE) != 0:
+        if _libc().madvise(address + start, length, _MADV_POPULATE_WRITE) != 0:
             return
 
 
