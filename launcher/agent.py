@@ -223,6 +223,7 @@ def _define_agent(base: type) -> type:
                 self._fence("a new rendezvous round formed without it")
                 return 1
             lost = (self._lost_hosts() & self._members) - {self._host_id}
+            self._acted_on &= lost  # one that registered again may be lost again later
             if lost and lost != self._acted_on:
                 self._acted_on = frozenset(lost)
                 print(f"gemini: host(s) {', '.join(sorted(lost))} of this round lost (lease "
@@ -367,7 +368,9 @@ def _define_agent(base: type) -> type:
                 members[other] = (str(host), previous)
             self._slot = assign_slots(members, world_size)[member]
             self._members = frozenset(host for host, _ in members.values())
-            self._acted_on = frozenset()
+            # A member still counted lost here joined this round, so it is alive: a host
+            # that froze, was declared lost and thawed, before its new lease is seen.
+            self._acted_on = self._lost_hosts() & self._members
             return self._slot
 
         def _publish_worker_store(self, worker_group: WorkerGroup, store: Store,

@@ -111,6 +111,7 @@ class CoordinationService:
         self._probing = threading.Lock()
         self._campaigning = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # publish the record now, not at the next beat
         self._lease: Lease = store.grant_lease(ttl)
         self._keeper: KeepAlive = store.keep_alive(self._lease)
         self._register()
@@ -124,6 +125,7 @@ class CoordinationService:
         with self._lock:
             self._record.update(ranks=[w.global_rank for w in group.workers], state="running",
                                 group_rank=group.group_rank, round=self._record["round"] + 1)
+        self._wake.set()  # peers ping a host once its record says it runs
 
     def after_start(self, group: WorkerGroup) -> None:
         pass
@@ -236,6 +238,7 @@ class CoordinationService:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=self.ttl)
         self._watch.cancel()
         self._keeper.stop()
@@ -341,7 +344,11 @@ class CoordinationService:
 
     def _heartbeat(self) -> None:
         interval = max(0.2, self.ttl / 3)
-        while not self._stop.wait(interval):
+        while True:
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 if self._keeper.lost:  # e.g. unreachable for longer than the TTL
                     self._lease = self.store.grant_lease(self.ttl)

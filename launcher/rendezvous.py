@@ -17,7 +17,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from torch._C._distributed_c10d import Store as _TorchStoreBase
@@ -318,14 +318,32 @@ def _drop_gone(holder: Any) -> None:
     state = holder._state
     nodes = {*state.last_heartbeats, *state.participants, *state.wait_list,
              *state.redundancy_list}
+    for key in _GONE_BEATS.keys() - gone:  # registered again: a later loss starts afresh
+        del _GONE_BEATS[key]
     removed = False
-    for node in [n for n in nodes if repr(n) in gone]:
+    for node in [n for n in nodes if _still_gone(n, gone, state.last_heartbeats)]:
         state.last_heartbeats.pop(node, None)
         removed |= state.participants.pop(node, None) is not None
         state.wait_list.discard(node)
         state.redundancy_list.discard(node)
     if removed:
         _remove_participant_epilogue(state, holder._settings)
+
+
+_GONE_BEATS: dict[str, Any] = {}
+"""The last heartbeat of each node known lost, as it stood when first seen lost."""
+
+
+def _still_gone(node: Any, gone: frozenset[str], heartbeats: Mapping[Any, Any]) -> bool:
+    """Whether ``node`` is one of the ``gone`` and has not heartbeated since: a host that
+    was frozen, declared lost and then thawed heartbeats again when it rejoins (torch's
+    join records a heartbeat), and must not be dropped from the round it joined."""
+    key = repr(node)
+    if key not in gone:
+        return False
+    beat = heartbeats.get(node)
+    first = _GONE_BEATS.setdefault(key, beat)
+    return beat is None or beat == first
 
 
 def _outage_aware(sanitize: Any) -> Any:

@@ -243,3 +243,29 @@ def test_a_frozen_host_is_fenced_out_and_the_job_goes_on(tmp_path: Path, referen
     assert {p["host"] for p in plans} == {survivor, "spare"}, plans
     assert len({p["step"] for p in plans}) == 1, plans
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def test_a_host_frozen_briefly_with_no_spare_rejoins_and_the_job_goes_on(
+        tmp_path: Path, reference: dict) -> None:
+    """``--nnodes 2:2`` and no spare: one host is frozen (SIGSTOP) for 3 s, long enough
+    for the other to find it unresponsive, revoke its lease and reopen the round. Thawed,
+    it rejoins that round as a member with empty memory (it was fenced) and pulls its
+    ranks from the survivor's replicas: both finish, and the result equals an unfailed
+    run's. The survivor must not drop it again from the round it joined because it was
+    counted lost a moment before."""
+    with EtcdServer() as etcd:
+        def freeze(hosts: list[Host]) -> None:
+            _signal_host(hosts[1], signal.SIGSTOP)
+            time.sleep(3)
+            _signal_host(hosts[1], signal.SIGCONT)
+
+        hosts = _train_through(tmp_path, etcd.endpoint, freeze, "--host-ttl", "30")
+    for host in hosts:
+        assert host.proc.returncode == 0, host.output()[-4000:]
+    found = events(tmp_path / "runs")
+    assert [e["host"] for e in found if e["event"] == "fenced"] == ["h1"], found
+    rounds = [(e["host"], e["group_world_size"]) for e in found if e["event"] == "rendezvous"]
+    assert all(size == 2 for _, size in rounds) and len(rounds) >= 4, rounds
+    plans = [e for e in found if e["event"] == "restore_plan" and e["step"] is not None]
+    assert {p["host"] for p in plans} == {"h0", "h1"} and len({p["step"] for p in plans}) == 1
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)

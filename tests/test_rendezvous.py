@@ -121,6 +121,42 @@ def test_known_dead_nodes_leave_the_rendezvous_state_at_once() -> None:
         rendezvous._GONE[:] = previous
 
 
+def test_a_node_known_lost_that_heartbeats_again_stays() -> None:
+    """A node counted lost that heartbeats after it was first seen lost (a frozen host
+    thawed, and joined the next round: torch's join records a heartbeat) is alive: it is
+    not dropped from the round it joined, whatever the lost list still says."""
+    import datetime
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        _NodeDesc,
+        _RendezvousState,
+    )
+
+    from launcher import rendezvous
+
+    thawed, survivor = _NodeDesc("host", 1, 0), _NodeDesc("host", 2, 0)
+    then = datetime.datetime.now(datetime.timezone.utc)
+    state = _RendezvousState()
+    state.round, state.complete = 4, True
+    state.participants = {thawed: 0, survivor: 1}
+    state.last_heartbeats = {thawed: then, survivor: then}
+    holder = SimpleNamespace(_state=state, _settings=SimpleNamespace(min_nodes=2))
+    previous = list(rendezvous._GONE)
+    try:
+        rendezvous.drop_gone_nodes(lambda: frozenset({repr(thawed)}))
+        rendezvous._drop_gone(holder)  # first seen lost: dropped
+        assert state.participants == {survivor: 1} and thawed not in state.last_heartbeats
+        state.round, state.complete = 5, True  # it thawed and both joined the next round
+        state.participants = {thawed: 0, survivor: 1}
+        state.last_heartbeats[thawed] = then + datetime.timedelta(seconds=3)
+        rendezvous._drop_gone(holder)
+        assert state.participants == {thawed: 0, survivor: 1} and state.round == 5
+    finally:
+        rendezvous._GONE[:] = previous
+        rendezvous._GONE_BEATS.clear()
+
+
 def test_a_round_closes_once_every_live_node_rejoined() -> None:
     """After a host loss (its node dropped, so no longer heartbeating) the survivors close
     the round as soon as they all joined; a spare or a member still alive and not yet
