@@ -1,7 +1,8 @@
 """Entry point of the ``gemini`` console script.
 
 Errors end as one line on stderr, ``gemini: error: <reason>``, and the exit code from
-:mod:`gemini_cli.errors`. Commands import torch only when they run, never for ``--help``.
+:mod:`gemini_cli.errors`. Commands import torch only when they run, never for ``--help``
+(but ``gemini run --help``: torchrun's flags are torch's own parser's).
 """
 
 from __future__ import annotations

@@ -2,60 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 import click
-from click.core import ParameterSource
-
-# (flag names, config key, help). Every torchrun flag, in both of torchrun's spellings.
-_TORCHRUN_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
-    (("--nnodes",), "nnodes", "Number of nodes, N or MIN:MAX.  [default: 1:1]"),
-    (("--nproc-per-node", "--nproc_per_node"), "nproc_per_node",
-     "Workers per node: an integer, auto, cpu, gpu or xpu.  [default: 1]"),
-    (("--node-rank", "--node_rank"), "node_rank", "Rank of this node (static backend)."),
-    (("--rdzv-backend", "--rdzv_backend"), "rdzv_backend",
-     "Rendezvous backend: static, c10d, etcd, etcd-v2, or etcd-v3 (gemini's: torch's "
-     "dynamic rendezvous kept in etcd v3, survives any host).  [default: static]"),
-    (("--rdzv-endpoint", "--rdzv_endpoint"), "rdzv_endpoint", "Rendezvous HOST[:PORT]."),
-    (("--rdzv-id", "--rdzv_id"), "rdzv_id", "Job id shared by all nodes."),
-    (("--rdzv-conf", "--rdzv_conf"), "rdzv_conf", "Rendezvous settings, k1=v1,k2=v2."),
-    (("--standalone",), "standalone", "Single-node job with a private localhost rendezvous."),
-    (("--max-restarts", "--max_restarts"), "max_restarts",
-     "Restarts of the worker group before failing.  [default: 0]"),
-    (("--monitor-interval", "--monitor_interval"), "monitor_interval",
-     "Seconds between worker state checks.  [default: 0.1]"),
-    (("--start-method", "--start_method"), "start_method", "spawn, fork or forkserver."),
-    (("--event-log-handler", "--event_log_handler"), "event_log_handler",
-     "torch elastic event log handler."),
-    (("--role",), "role", "Worker role.  [default: default]"),
-    (("-m", "--module"), "module", "Run SCRIPT as a module, like python -m."),
-    (("--no-python", "--no_python"), "no_python", "Run SCRIPT directly, not through python."),
-    (("--run-path", "--run_path"), "run_path", "Run SCRIPT with runpy.run_path in the launcher."),
-    (("--log-dir", "--log_dir"), "log_dir", "Directory for worker log files."),
-    (("-r", "--redirects"), "redirects", "Redirect worker streams to log files: 0-3 or rank:N,..."),
-    (("-t", "--tee"), "tee", "Tee worker streams to log files and console: 0-3 or rank:N,..."),
-    (("--local-ranks-filter", "--local_ranks_filter"), "local_ranks_filter",
-     "Comma-separated local ranks shown on the console."),
-    (("--duplicate-stdout-filters", "--duplicate_stdout_filters"), "duplicate_stdout_filters",
-     "Copy stdout lines containing these comma-separated strings to a log."),
-    (("--duplicate-stderr-filters", "--duplicate_stderr_filters"), "duplicate_stderr_filters",
-     "Copy stderr lines containing these comma-separated strings to a log."),
-    (("--master-addr", "--master_addr"), "master_addr", "Node 0 address (static backend)."),
-    (("--master-port", "--master_port"), "master_port", "Node 0 port (static backend)."),
-    (("--local-addr", "--local_addr"), "local_addr", "This node's address for other nodes."),
-    (("--logs-specs", "--logs_specs"), "logs_specs", "torchrun.logs_specs entry point name."),
-    (("--numa-binding", "--numa_binding"), "numa_binding",
-     "NUMA binding: node, socket, exclusive, core-complex."),
-    (("--signals-to-handle", "--signals_to_handle"), "signals_to_handle",
-     "Signals that stop the job gracefully."),
-    (("--shutdown-timeout", "--shutdown_timeout"), "shutdown_timeout",
-     "Seconds from SIGTERM to SIGKILL when stopping workers."),
-    (("--virtual-local-rank", "--virtual_local_rank"), "virtual_local_rank",
-     "LOCAL_RANK=0 for every worker, one visible device each."),
-)
-_FLAGS = frozenset({"standalone", "module", "no_python", "run_path", "virtual_local_rank"})
 
 _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--run-root", "--run_root"), "run_root",
@@ -114,59 +66,97 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
 )
 
 
-def _options(command: Callable[..., Any]) -> Callable[..., Any]:
-    table = _TORCHRUN_OPTIONS + _GEMINI_OPTIONS
-    for names, key, help_text in reversed(table):
-        if key in _FLAGS:
-            command = click.option(*names, key, is_flag=True, default=False,
-                                   help=help_text)(command)
-        elif "/" in names[0]:
-            command = click.option(*names, key, default=None, help=help_text)(command)
+class _Parser(argparse.ArgumentParser):
+    """torchrun's own argument parser, with gemini's flags added: it accepts exactly what
+    torchrun accepts, unique prefixes of long flags included (``--nproc_per 2``)."""
+
+    def __init__(self, torchrun: argparse.ArgumentParser) -> None:
+        super().__init__(
+            prog="gemini run", parents=[torchrun], add_help=False,
+            usage="gemini run [TORCHRUN AND GEMINI FLAGS] SCRIPT|MODULE [ARGS]...",
+            description="Launch SCRIPT on every worker, exactly as torchrun would, under "
+            "gemini's supervisor. Every torchrun flag works with the same meaning and "
+            "default. Values come from, in order of precedence: the command line, "
+            "GEMINI_<KEY> (or torchrun's PET_<KEY>) environment variables, the --config "
+            "file, the defaults.")
+        self._torchrun = frozenset(a.dest for a in torchrun._actions)
+
+    def _get_option_tuples(self, option_string: str) -> list[Any]:
+        """The flags a prefix could mean: one per flag (both spellings of one flag are
+        one match), and torchrun's alone when it matches one of torchrun's as well as
+        gemini's, so that what torchrun accepts means here what it means there."""
+        first: dict[Any, Any] = {}
+        for match in super()._get_option_tuples(option_string):
+            first.setdefault(match[0], match)
+        found = list(first.values())
+        torchrun = [t for t in found if t[0].dest in self._torchrun]
+        return torchrun if len(found) > 1 and len(torchrun) == 1 else found
+
+    def error(self, message: str) -> NoReturn:
+        raise click.UsageError(message, ctx=click.get_current_context(silent=True))
+
+
+def _parser() -> _Parser:
+    from torch.distributed.run import get_args_parser
+
+    torchrun = get_args_parser()
+    for action in torchrun._actions:
+        if action.option_strings and action.dest != "help":
+            if action.help and action.default not in (None, False, "", []):
+                action.help = f"{action.help}  [default: {action.default}]"
+            action.default = argparse.SUPPRESS  # only what the command line gave
+            action.type = None  # converted once, with the environment's and the file's
+        elif action.dest == "training_script":
+            action.metavar = "SCRIPT|MODULE"
+        elif action.dest == "training_script_args":
+            action.metavar = "[ARGS]..."
+    parser = _Parser(torchrun)
+    group = parser.add_argument_group("gemini")
+    group.add_argument("--config", dest="config_file", default=argparse.SUPPRESS,
+                       metavar="FILE", help="gemini.yaml with defaults for any flag (see "
+                       "`gemini template config`).")
+    for names, key, help_text in _GEMINI_OPTIONS:
+        if "/" in names[0]:
+            group.add_argument(names[0].split("/")[0], dest=key, help=help_text,
+                               action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS)
         else:
-            command = click.option(*names, key, default=None, metavar="VALUE",
-                                   help=help_text)(command)
-    return command
+            group.add_argument(*names, dest=key, help=help_text, metavar="VALUE",
+                               default=argparse.SUPPRESS)
+    return parser
 
 
 @click.command(
     "run",
-    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    add_help_option=False,
     short_help="Launch training like torchrun, with in-memory checkpoints.",
 )
-@click.option("--config", "config_file", default=None, metavar="FILE",
-              help="gemini.yaml with defaults for any flag (see `gemini template config`).")
-@_options
-@click.argument("script", metavar="SCRIPT|MODULE")
-@click.argument("script_args", nargs=-1, type=click.UNPROCESSED, metavar="[ARGS]...")
-@click.pass_context
-def run_command(ctx: click.Context, /, config_file: str | None, script: str,
-                script_args: tuple[str, ...], **options: Any) -> int:
-    """Launch SCRIPT on every worker, exactly as torchrun would, under gemini's supervisor.
-
-    Every torchrun flag works with the same meaning and default. Values come from, in
-    order of precedence: the command line, GEMINI_<KEY> (or torchrun's PET_<KEY>)
-    environment variables, the --config file, the defaults.
-    """
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
+def run_command(argv: tuple[str, ...]) -> int:
+    """Launch SCRIPT on every worker, exactly as torchrun would (see gemini run --help)."""
     from launcher import config as cfg
     from launcher.agent import Command, launch
 
-    given = {
-        key: value for key, value in options.items()
-        if ctx.get_parameter_source(key) is ParameterSource.COMMANDLINE
-    }
+    parser = _parser()
+    try:
+        given = vars(parser.parse_args(argv))
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    script, script_args = given.pop("training_script"), given.pop("training_script_args")
+    config_file = given.pop("config_file", None)
+    flags = {a.dest: _flag(a.option_strings) for a in parser._actions if a.option_strings}
     cli_values = {
-        key: value if isinstance(value, bool) else cfg.convert_value(key, value, _flag(key))
+        key: value if isinstance(value, bool) else cfg.convert_value(key, value, flags[key])
         for key, value in given.items()
     }
     file_path = config_file or os.environ.get("GEMINI_CONFIG")
     file_values = cfg.read_config_file(file_path) if file_path else {}
     run_config = cfg.resolve(cli=cli_values, environ=os.environ, file_values=file_values)
-    launch(run_config, Command(script=script, args=script_args))
+    launch(run_config, Command(script=script, args=tuple(script_args)))
     return 0
 
 
-def _flag(key: str) -> str:
-    for names, name, _ in _TORCHRUN_OPTIONS + _GEMINI_OPTIONS:
-        if name == key:
-            return names[-1] if len(names[0]) == 2 else names[0].split("/")[0]
-    return key
+def _flag(names: Sequence[str]) -> str:
+    """The flag as an error names it: its first long spelling."""
+    return next((n for n in names if n.startswith("--")), names[0])

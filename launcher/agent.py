@@ -488,10 +488,11 @@ def _define_agent(base: type) -> type:
 
             world = self._worker_group.group_world_size
             deadline = time.monotonic() + self._exit_barrier_timeout
-            closed = False
+            closed = arrived = False
             self._in_exit_barrier = True
             try:
                 last = store_util._barrier_nonblocking(self._store, world, _EXIT_BARRIER)
+                arrived = True
                 while not self._store.check([last]):
                     if time.monotonic() > deadline:
                         logger.error("timed out after %ss waiting for the other hosts to "
@@ -508,8 +509,13 @@ def _define_agent(base: type) -> type:
                     time.sleep(0.1)
             except SignalException:
                 raise
-            except Exception:
-                logger.exception("error waiting for the other hosts to finish their workers")
+            except Exception as exc:
+                if arrived:  # the store's host (group rank 0) saw the barrier complete and left
+                    logger.info("the exit barrier's store closed after this host arrived: %s",
+                                exc)
+                else:
+                    logger.warning("cannot reach the exit barrier: %s", " ".join(
+                        str(exc).split()))
             finally:
                 self._in_exit_barrier = False
 
@@ -743,7 +749,7 @@ def _launch(config: RunConfig, command: Command,
                 timeout=config.heartbeat_timeout))
     events.add_sink(coordination.record_event)
     if config.standby:
-        services.append(StandbyService(launch_config.nproc_per_node))
+        services.append(StandbyService(launch_config.nproc_per_node, entry_args))
     services += extra_services
     os.environ[ENV_RUN_DIR] = str(run_dir)
     os.environ[ENV_HOST_ID] = owner.host_id

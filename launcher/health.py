@@ -147,7 +147,7 @@ class GpuWatch:
         except ImportError:
             if Path("/dev/nvidia0").exists():
                 logger.warning("GPU health checks are off: install nvidia-ml-py "
-                               "(pip install 'gemini[gpu]')")
+                               "(pip install 'gemini-launcher[gpu]')")
             return None
         try:
             nvml.nvmlInit()

@@ -33,8 +33,11 @@ logger = logging.getLogger(__name__)
 class StandbyPool:
     """Keeps ``size`` standby interpreters ready (thread-safe)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, title_room: int = 0) -> None:
+        """``title_room``: bytes of command line each standby reserves, so that the worker
+        it becomes shows its own command (see :func:`show_command`)."""
         self.size = size
+        self.padding = " " * title_room  # its own arguments before it are spare room
         self._idle: list[subprocess.Popen[bytes]] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -49,7 +52,8 @@ class StandbyPool:
                 job_in, job_out = os.pipe()
                 try:
                     proc = subprocess.Popen(
-                        [sys.executable, "-u", "-m", "launcher.standby", str(job_in)],
+                        [sys.executable, "-u", "-m", "launcher.standby", str(job_in),
+                         self.padding],
                         pass_fds=(job_in,), start_new_session=True)
                 except BaseException:
                     os.close(job_out)
@@ -95,8 +99,12 @@ class StandbyService:
     #: group). A failure before then restarts cold, or waits for a standby still importing.
     REFILL_DELAY = 10.0
 
-    def __init__(self, local_world_size: int) -> None:
-        self.pool = StandbyPool(local_world_size)
+    def __init__(self, local_world_size: int, command: list[str] | tuple[str, ...] = ()
+                 ) -> None:
+        """``command``: the workers' command after the interpreter, for the room each
+        standby keeps for showing it."""
+        self.pool = StandbyPool(local_world_size,
+                                len(sys.executable) + 4 + sum(len(a) + 1 for a in command))
         self.enabled = install(self.pool)
         self._refill_at: float | None = None
         if not self.enabled:
@@ -199,6 +207,7 @@ def _run(job: dict[str, Any], niced: int) -> None:
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
     sys.orig_argv = [sys.orig_argv[0], *job["argv"]]  # python's own command line
+    show_command([sys.orig_argv[0], *job["argv"]])  # what ps and pgrep -f find
     if "launcher.hook" in sys.modules:  # imported while waiting, without the job's variables
         sys.modules["launcher.hook"].prefetch()
     argv = list(job["argv"][1:])  # after the interpreter's "-u"
@@ -230,6 +239,29 @@ def _run(job: dict[str, Any], niced: int) -> None:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
+
+
+def show_command(argv: list[str]) -> bool:
+    """Show ``argv`` as this process's command line (``ps``, ``pgrep -f``,
+    ``/proc/PID/cmdline``), as a worker torchrun started would show it, by writing it over
+    the argument strings the kernel reports, as setproctitle does: joined by spaces and
+    ended by a NUL before the area's last byte, which the kernel then reports up to that
+    NUL (psutil splits it at the spaces). The process name stays. False where the area
+    is too small (the title is cut) or cannot be found."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48, 49)
+    except (OSError, IndexError, ValueError):
+        return False
+    room = end - start
+    title = " ".join(argv).encode(errors="replace")[:max(0, room - 2)]
+    if room < 2:
+        return False
+    ctypes.memmove(start, title + b"\0" + b" " * (room - len(title) - 1), room)
+    return len(title) == len(" ".join(argv).encode(errors="replace"))
 
 
 def _fresh_main() -> Any:

@@ -41,6 +41,7 @@ def _main_views(out: Path) -> dict[int, str]:
     (["--nproc-per-node", "2"], "1"),
     (["--nproc-per-node", "2"], "0"),
     (["--standalone", "--nproc_per_node=3", "--max-restarts=1"], "1"),
+    (["--nproc_per=2", "--max_rest", "1"], "1"),  # unique prefixes, as torchrun takes them
 ])
 def test_worker_environment_equals_torchrun(tmp_path: Path, flags: list[str],
                                             standby: str) -> None:
@@ -62,7 +63,7 @@ def test_worker_environment_equals_torchrun(tmp_path: Path, flags: list[str],
                     "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE"):
             assert got[key] == expected[key], key
     # a standby runs the script as `python -u SCRIPT` would: same __main__, argv, priority,
-    # stdin
+    # stdin, and the same command line for ps and pgrep -f
     assert _main_views(tmp_path / "gemini") == _main_views(tmp_path / "torchrun")
 
 
@@ -253,3 +254,20 @@ def test_a_standby_that_dies_is_replaced_at_once(tmp_path: Path) -> None:
     finally:
         kill_tree(proc.pid)
         proc.communicate(timeout=30)
+
+
+def test_static_two_nodes_end_quietly(tmp_path: Path) -> None:
+    """Two nodes with the static rendezvous: node 0 hosts the store and leaves as soon as
+    the exit barrier completes; node 1, still polling it, must end quietly (torchrun logs
+    nothing there), with no traceback, whichever node leaves first."""
+    for _ in range(3):
+        port = free_port()
+        nodes = [start([*GEMINI, "run", "--nnodes", "2", "--node-rank", str(i),
+                        "--master-addr", "127.0.0.1", "--master-port", str(port),
+                        "--nproc-per-node", "1", str(SCRIPTS / "crash_ddp.py"), "9", "0"],
+                       env=env_with(tmp_path, GEMINI_HOST_ID=f"host{i}"))
+                 for i in range(2)]
+        for proc in nodes:
+            out, _ = proc.communicate(timeout=120)
+            assert proc.returncode == 0, out[-3000:]
+            assert "Traceback" not in out and "Error" not in out, out[-3000:]

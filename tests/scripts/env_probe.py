@@ -1,5 +1,5 @@
 """Worker that writes its environment to DIR/env-RANK.json and what it sees of its own
-process (main module, argv, path, priority, stdin) to DIR/main-RANK.json: a torchrun-
+process (main module, argv, path, priority, stdin, command line) to DIR/main-RANK.json: a torchrun-
 compatibility probe. Arguments after DIR are only echoed (through sys.argv)."""
 
 import json
@@ -24,6 +24,9 @@ main = {
     "nice": os.getpriority(os.PRIO_PROCESS, 0),
     "cwd": os.getcwd(),
     "stdin": [os.fstat(0).st_dev, os.fstat(0).st_ino],
+    # what ps, pgrep -f and pkill -f match (NUL- or space-separated, as setproctitle does)
+    "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\0").replace(b"\0", b" ")
+    .decode(),
 }
 with open(os.path.join(out, f"main-{rank}.json"), "w") as fh:
     json.dump(main, fh, sort_keys=True)
