@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, median_time, mib, table, timer  # noqa: E402
 
-from launcher import hook, memory  # noqa: E402
+from launcher import contract, hook, memory  # noqa: E402
 from launcher.slots import SlotOwner, SlotServer  # noqa: E402
 
 CHUNK = 64 << 20  # bytes per parameter tensor
@@ -102,8 +102,8 @@ def main() -> None:
     run_id = f"bench-{os.getpid()}"
     owner = SlotOwner(run_id=run_id, host_id="bench", local_world_size=1)
     server = SlotServer(owner)
-    os.environ.update({hook.ENV_SOCKET: server.env_address, hook.ENV_PREFIX: owner.prefix,
-                       "TORCHELASTIC_RUN_ID": run_id, hook.ENV_RESTORE_STEP: "-1"})
+    os.environ.update({contract.ENV_SOCKET: server.env_address, contract.ENV_PREFIX: owner.prefix,
+                       "TORCHELASTIC_RUN_ID": run_id, contract.ENV_RESTORE_STEP: "-1"})
     rows = []
     try:
         with tempfile.TemporaryDirectory():

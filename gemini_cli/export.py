@@ -41,9 +41,9 @@ def export_command(out_dir: Path, run_id: str, from_dir: Path | None, step: int 
     Exit codes: 0 written; 2 OUT_DIR not empty; 4 a directory is unusable; 5 no step
     verifies.
     """
-    from launcher import persist
+    from launcher import export
 
-    result = persist.export_checkpoint(out_dir, run_id, rank=rank, step=step,
+    result = export.export_checkpoint(out_dir, run_id, rank=rank, step=step,
                                        directory=from_dir)
     if as_json:
         click.echo(json.dumps({"schema": SCHEMA, "run_id": result.run_id, "rank": result.rank,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from launcher.config import TORCHRUN_FIELDS, RunConfig
+from launcher.contract import ENV_HOST_ID, ENV_RUN_DIR, ENV_SUPERVISOR_PID
 from launcher.errors import (
     ConfigError,
     Interrupted,
@@ -46,9 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Variables gemini adds to the worker environment (on top of torchrun's).
-ENV_RUN_DIR = "GEMINI_RUN_DIR"
-ENV_HOST_ID = "GEMINI_HOST_ID"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -753,7 +751,7 @@ def _launch(config: RunConfig, command: Command,
     services += extra_services
     os.environ[ENV_RUN_DIR] = str(run_dir)
     os.environ[ENV_HOST_ID] = owner.host_id
-    os.environ["GEMINI_SUPERVISOR_PID"] = str(os.getpid())  # see launcher.hook
+    os.environ[ENV_SUPERVISOR_PID] = str(os.getpid())  # see launcher.hook
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = launch_config.signals_to_handle
 
     error_handler = get_error_handler()

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from launcher import memory
+from launcher.contract import ENV_HEARTBEAT
 from launcher.errors import HostUnhealthyError
 from launcher.events import EventLog
 
@@ -55,7 +56,7 @@ class HealthService:
         if hang_timeout > 0:
             self._segment = memory.create_segment(memory.heartbeat_name(prefix),
                                                   memory.HEARTBEAT_STRIDE * local_world_size)
-            os.environ[memory.ENV_HEARTBEAT] = self._segment.name
+            os.environ[ENV_HEARTBEAT] = self._segment.name
         self._pids: dict[int, int] = {}  # local rank -> worker pid, this round
         self._last: dict[int, tuple[int, float]] = {}  # local rank -> (count, when it moved)
         self._killed = False

@@ -19,256 +19,51 @@ runs while the loop waits (for its peers, or in the optimizer's pre-step hook).
 samplers, ...), which are restored in place, or to plain values (ints, floats, strings,
 lists, dicts, tensors), which ``restore`` writes back into the same ``extra`` dict.
 
-This module imports only the standard library, torch, xxhash, ``launcher.memory``,
-``launcher.priority`` and ``launcher.rng``.
+The state-tree codec (``launcher.codec``), the copy engine (``launcher.copier``) and the
+restart prefetch (``launcher.prefetch``) are modules of their own; the hook shares only
+``launcher.contract`` and the codec with the supervisor, and imports nothing heavier than
+torch. Nothing starts at import.
 """
 
 from __future__ import annotations
 
 import atexit
-import base64
-import collections
-import ctypes
-import itertools
 import json
 import logging
 import os
-import queue
 import socket
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 
-from launcher import memory, rng
+from launcher import memory, prefetch, rng
+from launcher.codec import (
+    clone_tensors,
+    encode,
+    is_dtensor,
+    live_meshes,
+    slot_tensor,
+    tensor_bytes,
+    unflatten,
+)
+from launcher.contract import (
+    ENV_HEARTBEAT,
+    ENV_PREFIX,
+    ENV_RESTORE_STEP,
+    ENV_SOCKET,
+    ENV_SUPERVISOR_PID,
+)
+from launcher.copier import META_FRAME, CopyWorker, Layout, slot_bytes
 from launcher.errors import CheckpointError, StorageError
-from launcher.priority import idle_priority
 
 logger = logging.getLogger(__name__)
 
-# Set by the supervisor (launcher.slots); repeated here to keep this module's imports small.
-ENV_SOCKET = "GEMINI_SLOT_SOCKET"
-ENV_PREFIX = "GEMINI_SLOT_PREFIX"
-ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
-ENV_RESTORE_VERIFIED = "GEMINI_RESTORE_VERIFIED"
-ENV_SUPERVISOR_PID = "GEMINI_SUPERVISOR_PID"
 
 _warned_inactive = False
-
-
-# -- state tree <-> JSON skeleton + tensors ---------------------------------------------
-
-_SCALARS = frozenset({type(None), bool, int, float, str})
-_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
-_STR, _DUNDER = itertools.repeat(str), itertools.repeat("__")
-_DICTS = frozenset({dict, collections.OrderedDict})
-_TABLE_KEYS = frozenset({int, str})
-_chain = itertools.chain.from_iterable
-_json_str = json.encoder.encode_basestring_ascii
-_META_FRAME = 256  # metadata bytes besides the tree and the tensor records (step, block)
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallelism): only once something
-    imported ``torch.distributed.tensor`` can one exist."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(tensor, module.DTensor)
-
-
-def _tensor_leaf(tensor: torch.Tensor, path: str, tensors: list[tuple[str, torch.Tensor]]
-                 ) -> dict[str, Any]:
-    """The skeleton node of a tensor; a DTensor is saved as its local shard plus what
-    rebuilds it around that shard (mesh, placements, global shape and stride)."""
-    if type(tensor) in _PLAIN_TENSORS or not _is_dtensor(tensor):
-        tensors.append((path, tensor))
-        return {"__tensor__": len(tensors) - 1}
-    tensors.append((path, tensor.to_local()))  # type: ignore[attr-defined]
-    return {"__dtensor__": len(tensors) - 1,
-            "mesh": _mesh_key(tensor.device_mesh),  # type: ignore[attr-defined]
-            "placements": [_placement(p, path) for p in tensor.placements],  # type: ignore[attr-defined]
-            "shape": list(tensor.shape), "stride": list(tensor.stride())}
-
-
-def _mesh_key(mesh: Any) -> str:
-    return json.dumps([mesh.device_type, mesh.mesh.tolist(), list(mesh.mesh_dim_names or [])])
-
-
-def _placement(placement: Any, path: str) -> list[Any]:
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    if type(placement).__name__ == "_StridedShard":
-        return ["_StridedShard", placement.dim, placement.split_factor]
-    if isinstance(placement, Shard):
-        return ["Shard", placement.dim]
-    if isinstance(placement, Replicate):
-        return ["Replicate"]
-    if isinstance(placement, Partial):
-        return ["Partial", placement.reduce_op]
-    raise CheckpointError(f"cannot checkpoint {path}: DTensor placement {placement!r}")
-
-
-def _dtensor(node: dict[str, Any], local: torch.Tensor, meshes: dict[str, Any] | None
-             ) -> torch.Tensor:
-    """Rebuild a saved DTensor around its ``local`` shard, on the live mesh it was on."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if meshes is None:
-        raise CheckpointError("it holds sharded (DTensor) state, which only a restore into "
-                              "the model that saved it can rebuild")
-    mesh = meshes.get(node["mesh"])
-    if mesh is None:
-        raise CheckpointError(f"it holds a DTensor on device mesh {node['mesh']}, which "
-                              "no DTensor of the model or optimizer is on")
-    placements = []
-    for kind, *args in node["placements"]:
-        if kind == "_StridedShard":
-            placements.append(_StridedShard(args[0], split_factor=args[1]))
-        else:
-            placements.append({"Shard": Shard, "Replicate": Replicate,
-                               "Partial": Partial}[kind](*args))
-    return DTensor.from_local(local, mesh, placements, run_check=False,
-                              shape=torch.Size(node["shape"]), stride=tuple(node["stride"]))
-
-
-def _live_meshes(*trees: Any) -> dict[str, Any]:
-    """The device meshes of the DTensors in ``trees`` (nested lists and dicts)."""
-    meshes: dict[str, Any] = {}
-    stack = list(trees)
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-        elif isinstance(item, torch.Tensor) and _is_dtensor(item):
-            meshes.setdefault(_mesh_key(item.device_mesh), item.device_mesh)  # type: ignore[attr-defined]
-    return meshes
-
-
-def _flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
-    """JSON-able skeleton of ``obj``; tensors are replaced by their index in ``tensors``.
-
-    This runs at every save, so leaves (scalars and tensors, nearly every node) are handled
-    in the loops over their containers rather than by a call each.
-    """
-    kind = type(obj)
-    if kind in _SCALARS:
-        return obj
-    if isinstance(obj, torch.Tensor):
-        return _tensor_leaf(obj, path, tensors)
-    if isinstance(obj, dict):
-        if all(map(isinstance, obj, _STR)) and not any(map(str.startswith, obj, _DUNDER)):
-            out = {}
-            for k, v in obj.items():
-                if type(v) in _SCALARS:
-                    out[k] = v
-                elif type(v) in _PLAIN_TENSORS:  # the common case, without a call
-                    tensors.append((f"{path}/{k}", v))
-                    out[k] = {"__tensor__": len(tensors) - 1}
-                elif isinstance(v, torch.Tensor):
-                    out[k] = _tensor_leaf(v, f"{path}/{k}", tensors)
-                else:
-                    out[k] = _flatten(v, f"{path}/{k}", tensors)
-            return out
-        return {"__items__": [[k if type(k) in _SCALARS else _flatten(k, f"{path}/<key>", tensors),
-                               _flatten(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}
-    if isinstance(obj, (tuple, list)):
-        if _SCALARS.issuperset(map(type, obj)):  # e.g. param ids: no recursion
-            items = list(obj)
-        else:
-            items = [_flatten(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
-        return {"__tuple__": items} if isinstance(obj, tuple) else items
-    if isinstance(obj, bytes):
-        return {"__bytes__": base64.b64encode(obj).decode()}
-    if isinstance(obj, torch.dtype):
-        return {"__dtype__": str(obj).removeprefix("torch.")}
-    raise CheckpointError(f"cannot checkpoint {path or 'value'}: unsupported type "
-                          f"{type(obj).__name__} (use tensors, numbers, strings, lists, dicts)")
-
-
-def _encode(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]],
-            memo: dict[str, tuple[Any, str, list[str]]]) -> str:
-    """``json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))``, faster at every
-    save after the first.
-
-    A *tensor table* (a dict of plain tensors, like a model's state_dict, or of such dicts,
-    like an optimizer's per-parameter state) has a skeleton that depends only on its keys
-    and on where its tensors start in ``tensors``. ``memo`` (path -> (structure, JSON, tensor
-    paths)) keeps the last table seen at each path; a table with the same structure takes
-    its JSON from there instead of building and encoding a node per tensor. The structure
-    holds every key with its exact type, so the JSON is exactly what encoding would give.
-    (A memo of the parts without tensors, keyed by marshal's bytes of them, halved their
-    cost on warm caches and saved nothing within a training loop: not kept.)
-    """
-    if type(obj) in _DICTS:
-        structure = _table_structure(obj, len(tensors))
-        if structure is not None:
-            known = memo.get(path)
-            if known is not None and known[0] == structure:
-                values = obj.values()
-                if not structure[1]:  # a dict of dicts of tensors
-                    values = _chain(map(dict.values, values))
-                tensors.extend(zip(known[2], values, strict=True))
-                return known[1]
-            base = len(tensors)
-            text = json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))
-            memo[path] = (structure, text, [p for p, _ in tensors[base:]])
-            return text
-        if any(type(v) in _DICTS for v in obj.values()) and all(
-                map(isinstance, obj, _STR)) and not any(map(str.startswith, obj, _DUNDER)):
-            # a dict of parts (the state, an optimizer's state_dict): encode each on its own
-            return "{" + ",".join(f"{_json_str(k)}:{_encode(v, f'{path}/{k}', tensors, memo)}"
-                                  for k, v in obj.items()) + "}"
-    return json.dumps(_flatten(obj, path, tensors), separators=(",", ":"))
-
-
-def _table_structure(obj: dict[Any, Any], base: int) -> tuple[Any, ...] | None:
-    """What the skeleton of ``obj`` depends on, if ``obj`` is a tensor table (see
-    ``_encode``): its first tensor's index and its keys (for a dict of dicts, each dict's
-    keys); None if it is not one. Outer keys of a dict of dicts must be exactly int or
-    str, so that equal keys are the same key (True == 1, but encodes otherwise); inner
-    keys are strings, which equal only strings. Every pass runs in C (``map``)."""
-    values = obj.values()
-    if _PLAIN_TENSORS.issuperset(map(type, values)):
-        return (base, True, tuple(obj)) if all(map(isinstance, obj, _STR)) else None
-    if not (_DICTS.issuperset(map(type, values)) and _TABLE_KEYS.issuperset(map(type, obj))
-            and _PLAIN_TENSORS.issuperset(map(type, _chain(map(dict.values, values))))):
-        return None
-    inner = tuple(map(tuple, values))
-    if not all(map(isinstance, _chain(inner), _STR)):
-        return None
-    return (base, False, tuple(obj), inner)
-
-
-def _unflatten(node: Any, tensors: list[torch.Tensor], meshes: dict[str, Any] | None = None
-               ) -> Any:
-    """The state tree of a skeleton; DTensors are rebuilt on the live ``meshes`` (see
-    ``_live_meshes``), and None refuses them."""
-    if isinstance(node, list):
-        return [_unflatten(v, tensors, meshes) for v in node]
-    if not isinstance(node, dict):
-        return node
-    if "__tensor__" in node:
-        return tensors[node["__tensor__"]]
-    if "__dtensor__" in node:
-        return _dtensor(node, tensors[node["__dtensor__"]], meshes)
-    if "__tuple__" in node:
-        return tuple(_unflatten(v, tensors, meshes) for v in node["__tuple__"])
-    if "__items__" in node:
-        return {_unflatten(k, tensors, meshes): _unflatten(v, tensors, meshes)
-                for k, v in node["__items__"]}
-    if "__bytes__" in node:
-        return base64.b64decode(node["__bytes__"])
-    if "__dtype__" in node:
-        return getattr(torch, node["__dtype__"])
-    return {k: _unflatten(v, tensors, meshes) for k, v in node.items()}
 
 
 _MODULE = torch.nn.Module
@@ -315,7 +110,7 @@ def _after_first_step(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None
     yet (torch's optimizers create it then): from a twin of the same class stepped once
     over shape-only ("meta") copies of the parameters. None when it has state already,
     or the twin cannot be made (a fused or custom optimizer, sharded parameters)."""
-    if optimizer.state or any(_is_dtensor(p) for group in optimizer.param_groups
+    if optimizer.state or any(is_dtensor(p) for group in optimizer.param_groups
                               for p in group["params"]):
         return None
     try:
@@ -339,10 +134,6 @@ def _after_first_step(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None
 def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None))
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 class Checkpointer:
@@ -372,16 +163,16 @@ class Checkpointer:
         self._pins: memory.Segment | None = None  # the steps the slots keep (memory.PINS)
         self._newest: int | None = None  # slot index holding the newest committed step
         self._seq = 0
-        self._worker: _Worker | None = None
+        self._worker: CopyWorker | None = None
         self._saved = False  # whether save() was called yet
         self._reserved: threading.Event | None = None  # set once the slots are reserved
         self._pending: threading.Event | None = None
         self._error: BaseException | None = None
         self._conn: socket.socket | None = None
         self._stream: Any = None
-        self._layouts: list[_Layout | None] = [None, None]
+        self._layouts: list[Layout | None] = [None, None]
         self._rng: dict[str, Any] = {}  # see rng.capture
-        self._memo: dict[str, tuple[Any, str, list[str]]] = {}  # see _encode
+        self._memo: dict[str, tuple[Any, str, list[str]]] = {}  # see encode
         # id(segment) -> its address registered with CUDA as pinned memory (0: failed)
         self._pinned: dict[int, int] = {}
         self._closed = False
@@ -398,6 +189,7 @@ class Checkpointer:
             _warn_inactive()
             return
         _die_with_supervisor()
+        prefetch.prefetch()  # a worker not started from a standby begins it here
         self._attach_heartbeat()
         if optimizer is not None:
             optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -410,7 +202,7 @@ class Checkpointer:
             return 0
         self._wait()
         step = int(os.environ.get(ENV_RESTORE_STEP, "-1"))
-        verified = _verified_seqs().get(self.rank)
+        verified = prefetch.verified_seqs().get(self.rank)
         if step >= 0:  # a pull from a peer may still be on its way: wait for this rank's
             seq = self._request({"op": "await", "rank": self.rank}).get("seq")
             verified = verified if seq is None else int(seq)
@@ -423,8 +215,8 @@ class Checkpointer:
             if self.optimizer is not None and (after := _after_first_step(self.optimizer)):
                 state["optimizer"] = after  # its state appears at the first step
             tensors: list[tuple[str, torch.Tensor]] = []
-            tree = _encode(state, "", tensors, {})
-            nbytes = _slot_bytes(tensors, len(tree))
+            tree = encode(state, "", tensors, {})
+            nbytes = slot_bytes(tensors, len(tree))
             self._request({"op": "check", "rank": self.rank, "nbytes": nbytes})
             self._reserved = threading.Event()
             self._copier().submit(lambda: self._reserve(nbytes), self._reserved)
@@ -441,9 +233,7 @@ class Checkpointer:
         meta = memory.read_meta(segment.view, header)
         if header.seq != verified:  # else the supervisor just did
             memory.verify(segment.view, header, meta)
-        global _prefetch
-        prefetched = _prefetch.take(segment.name, header.seq) if _prefetch is not None else {}
-        _prefetch = None
+        prefetched = prefetch.take(segment.name, header.seq)
         self._load(segment, meta, step, prefetched)
         self._discard_newer_than(step)
         self._newest = index
@@ -495,13 +285,13 @@ class Checkpointer:
         self._copier(ready is None).submit(
             lambda: self._copy(index, step, state, encoded, ready), done)
 
-    def _copier(self, idle: bool | None = None) -> _Worker:
+    def _copier(self, idle: bool | None = None) -> CopyWorker:
         """The background copy thread, started on first use: on the CPU it takes only idle
         CPU time; with CUDA it queues the GPU's copies, which must not wait for a core."""
         if self._worker is None:
             if idle is None:
                 idle = not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-            self._worker = _Worker(idle=idle)
+            self._worker = CopyWorker(idle=idle)
         return self._worker
 
     def _reserve(self, nbytes: int) -> None:
@@ -569,14 +359,14 @@ class Checkpointer:
             # The thread encodes the state later; schedulers and loops change the groups
             # (their learning rate, ...) before the next optimizer step, so copy them now.
             if isinstance(optimizer, dict) and "param_groups" in optimizer:
-                optimizer["param_groups"] = _clone_tensors(optimizer["param_groups"])
+                optimizer["param_groups"] = clone_tensors(optimizer["param_groups"])
             state["optimizer"] = optimizer
         extra: dict[str, Any] = {}
         for key, value in self.extra.items():
             if _stateful(value):
-                extra[key] = _clone_tensors(value.state_dict())
+                extra[key] = clone_tensors(value.state_dict())
             else:
-                extra[key] = _clone_tensors(value)
+                extra[key] = clone_tensors(value)
         state["extra"] = extra
         return state
 
@@ -584,11 +374,11 @@ class Checkpointer:
               prefetched: dict[int, torch.Tensor]) -> None:
         """Load the state of ``segment``; ``prefetched`` holds private copies of some of
         its tensors (by index), used instead of copying them again."""
-        tensors = [prefetched[i] if i in prefetched else _slot_tensor(segment.view, entry)
+        tensors = [prefetched[i] if i in prefetched else slot_tensor(segment.view, entry)
                    for i, entry in enumerate(meta["tensors"])]
         owned = frozenset(map(id, prefetched.values()))
         try:
-            state = _unflatten(meta["tree"], tensors, _live_meshes(
+            state = unflatten(meta["tree"], tensors, live_meshes(
                 [*self.model.parameters(), *self.model.buffers()]
                 if self.model is not None else [],
                 [g["params"] for g in self.optimizer.param_groups]
@@ -600,11 +390,11 @@ class Checkpointer:
             if self.optimizer is not None:
                 if "optimizer" not in state:
                     raise CheckpointError("it holds no optimizer state")
-                self.optimizer.load_state_dict(_clone_tensors(state["optimizer"], owned))
+                self.optimizer.load_state_dict(clone_tensors(state["optimizer"], owned))
             for key, value in self.extra.items():
                 if key not in state["extra"]:
                     raise CheckpointError(f"it holds no extra value {key!r}")
-                saved = _clone_tensors(state["extra"][key], owned)
+                saved = clone_tensors(state["extra"][key], owned)
                 if _stateful(value):
                     value.load_state_dict(saved)
                 else:
@@ -615,7 +405,7 @@ class Checkpointer:
                                   f"match the model/optimizer: {reason}") from None
         except CheckpointError as exc:
             raise CheckpointError(f"rank {self.rank}: checkpoint of step {step}: {exc}") from None
-        rng.restore(_clone_tensors(state["rng"]))
+        rng.restore(clone_tensors(state["rng"]))
 
     # -- slots ----------------------------------------------------------------------------
     def _attach_existing(self) -> None:
@@ -644,7 +434,7 @@ class Checkpointer:
         return next((i for i in order if i not in kept), None)
 
     def _find(self, step: int) -> int | None:
-        return _newest_holding(step, [memory.read_header(segment.view) if segment else None
+        return prefetch.newest_holding(step, [memory.read_header(segment.view) if segment else None
                                       for segment in self._segments])
 
     def _discard_newer_than(self, step: int) -> None:
@@ -717,7 +507,7 @@ class Checkpointer:
 
     def _attach_heartbeat(self) -> None:
         """Map this rank's counter in the supervisor's heartbeat segment (launcher.health)."""
-        name = os.environ.get(memory.ENV_HEARTBEAT, "")
+        name = os.environ.get(ENV_HEARTBEAT, "")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if not name:
             return
@@ -735,7 +525,7 @@ class Checkpointer:
     def _encode(self, state: dict[str, Any]) -> tuple[str, list[tuple[str, torch.Tensor]]]:
         """The skeleton's JSON of ``state`` (from ``_capture``) and its tensors, in order."""
         tensors: list[tuple[str, torch.Tensor]] = []
-        return _encode(state, "", tensors, self._memo), tensors
+        return encode(state, "", tensors, self._memo), tensors
 
     def _copy(self, index: int, step: int, state: dict[str, Any],
               encoded: tuple[str, list[tuple[str, torch.Tensor]]] | None, ready: Any) -> None:
@@ -771,7 +561,7 @@ class Checkpointer:
         self._newest = index
 
     def _layout_for(self, index: int, tensors: list[tuple[str, torch.Tensor]],
-                    tree_len: int) -> _Layout:
+                    tree_len: int) -> Layout:
         """Where each tensor goes in slot ``index``; reused while the state keeps its shape
         and the slot has room for the metadata (``tree_len``: its tree's part), which grows
         with values in ``extra`` like a list of losses."""
@@ -779,10 +569,10 @@ class Checkpointer:
         cached = self._layouts[index]
         if cached is not None and cached.signature == signature and (
             cached.segment is self._segments[index]
-        ) and tree_len + cached.records_len + _META_FRAME <= cached.meta_room:
+        ) and tree_len + cached.records_len + META_FRAME <= cached.meta_room:
             return cached
         self._layouts[index] = None
-        sizes = [_tensor_bytes(t) for _, t in tensors]
+        sizes = [tensor_bytes(t) for _, t in tensors]
         small = [0 < n <= memory.SMALL_TENSOR and t.device.type == "cpu"
                  and t.layout == torch.strided
                  for n, (_, t) in zip(sizes, tensors, strict=True)]
@@ -793,7 +583,7 @@ class Checkpointer:
                 if small[i] == first_pass:
                     offsets[i] = offset
                     offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
-        segment = self._slot_for(index, _slot_bytes(tensors, tree_len))
+        segment = self._slot_for(index, slot_bytes(tensors, tree_len))
         if any(t.is_cuda for _, t in tensors):
             self._pin(segment)
         buf = segment.view
@@ -828,7 +618,7 @@ class Checkpointer:
                 if pad:
                     group.append(zeros[:pad])
             parts.append(group)
-        layout = _Layout(
+        layout = Layout(
             signature=signature, segment=segment, data_len=offset, offsets=offsets,
             nbytes=sizes, small=small, records=[],
             dsts=[torch.frombuffer(buf, dtype=t.dtype, count=t.numel(),
@@ -843,7 +633,7 @@ class Checkpointer:
         for (path, tensor), start, is_small in zip(tensors, offsets, small, strict=True):
             record = json.dumps({"path": path, "dtype": str(tensor.dtype).split(".")[-1],
                                  "shape": list(tensor.shape), "offset": start,
-                                 "nbytes": _tensor_bytes(tensor), "device": str(tensor.device),
+                                 "nbytes": tensor_bytes(tensor), "device": str(tensor.device),
                                  "xxh3": None if is_small else "@"}, separators=(",", ":"))
             if is_small:  # runs of small tensors' records are joined once, here
                 if layout.records and isinstance(layout.records[-1], str):
@@ -857,312 +647,6 @@ class Checkpointer:
                                  for r in layout.records)
         self._layouts[index] = layout
         return layout
-
-
-def _slot_bytes(tensors: list[tuple[str, torch.Tensor]], tree_len: int) -> int:
-    """The size of a slot for ``tensors`` with a tree of ``tree_len`` bytes of JSON: the
-    aligned tensors and room for the metadata, which grows a little (values in ``extra``
-    like a list of losses)."""
-    data = sum((_tensor_bytes(t) + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
-               for _, t in tensors)
-    return memory.slot_size(data, tree_len + _META_FRAME + sum(len(p) + 200 for p, _ in tensors))
-
-
-@dataclass
-class _Layout:
-    """The placement of one state's tensors in one slot (see ``Checkpointer._layout_for``)."""
-
-    signature: tuple[Any, ...]
-    segment: memory.Segment
-    data_len: int
-    offsets: list[int]
-    nbytes: list[int]
-    small: list[bool]  # copied in one batch, checked by the block checksum
-    # The tensors' metadata JSON, in the tree's order: a string for each run of small
-    # tensors (complete), a pair for a large one (split around its checksum).
-    records: list[str | tuple[str, str]]
-    dsts: list[torch.Tensor]  # the small tensors' places in the slot, shaped like them
-    block: tuple[int, int]  # byte range of the slot's data covering every small tensor
-    groups: list[tuple[int, int, int]]  # batches of ``dsts`` copied and hashed together
-    blocks: list[torch.Tensor]  # each group's bytes in the slot
-    parts: list[list[torch.Tensor]]  # each group's torch.cat inputs: byte views and padding
-    where: list[tuple[int, int]]  # each small tensor's (group, index in its parts)
-    ptrs: list[int]  # each small tensor's address when its byte view was made (-1: none)
-    meta_room: int  # bytes of the slot left for the metadata
-    records_len: int  # bytes of the records in the metadata, with their checksums
-
-
-class _Worker:
-    """A daemon thread that runs one job at a time: the background copy."""
-
-    def __init__(self, *, idle: bool) -> None:
-        self._idle = idle
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event]] = (
-            queue.SimpleQueue())
-        self._streams: dict[torch.device, Any] = {}  # a side stream per CUDA device
-        self.thread = threading.Thread(target=self._run, name="gemini-save", daemon=True)
-        self.thread.start()
-
-    def submit(self, job: Callable[[], None], done: threading.Event) -> None:
-        self._jobs.put((job, done))
-
-    def _run(self) -> None:
-        if self._idle:
-            idle_priority()
-        while True:
-            job, done = self._jobs.get()
-            try:
-                job()
-            finally:
-                done.set()
-
-    def copy_all(self, buf: Any, layout: _Layout, tensors: list[torch.Tensor],
-                 ready: Any = None) -> tuple[int, list[int]]:
-        """Copy every tensor to its place in the slot; return the checksum of the block of
-        small tensors and the checksums of the large ones.
-
-        Small CPU tensors are copied in batches (see ``Checkpointer._layout_for``) and
-        share one checksum; other large CPU tensors go through ``copy_and_hash``. CUDA
-        tensors are copied by the GPU on a side stream, once the training stream reaches
-        ``ready`` (the event save() recorded), into the pinned slot, while this thread
-        copies the CPU tensors; they are hashed when that stream is done.
-        """
-        # save() records ``ready`` exactly when the state has CUDA tensors
-        on_gpu = self._start_gpu_copies(buf, layout, tensors, ready) if ready is not None else []
-        srcs = [t for t, small in zip(tensors, layout.small, strict=True) if small]
-        ptrs = list(map(torch.Tensor.data_ptr, srcs))
-        if ptrs != layout.ptrs:
-            _refresh_byte_views(layout, srcs, ptrs)
-        # A byte view covers its tensor's bytes while the tensor is contiguous and at the
-        # address it was made for (the view keeps that storage alive: no other tensor can
-        # move there); a tensor that is not contiguous, or is a lazily conjugated or
-        # negated view (its bytes are not its values), has none: torch copies them all.
-        whole = all(map(torch.Tensor.is_contiguous, srcs)) and not (
-            any(map(torch.Tensor.is_conj, srcs)) or any(map(torch.Tensor.is_neg, srcs)))
-        hasher = xxhash.xxh3_64()
-        done = memory.HEADER_SIZE + layout.block[0]
-        view = memoryview(buf)
-        try:
-            with torch.no_grad():
-                for group, (first, last, end) in enumerate(layout.groups):
-                    if whole:
-                        torch.cat(layout.parts[group], out=layout.blocks[group])
-                    else:
-                        torch._foreach_copy_(layout.dsts[first:last], srcs[first:last])
-                    hasher.update(view[done:memory.HEADER_SIZE + end])
-                    done = memory.HEADER_SIZE + end
-        finally:
-            view.release()
-        block = hasher.intdigest()
-        big = [(tensor, memory.HEADER_SIZE + start, nbytes)
-               for tensor, start, nbytes, small in zip(
-                   tensors, layout.offsets, layout.nbytes, layout.small, strict=True)
-               if not small]
-        digests = [-1 if tensor.is_cuda else copy_and_hash(buf, start, tensor, nbytes)
-                   for tensor, start, nbytes in big]
-        if on_gpu:  # the GPU's copies: hash them once they have landed
-            for done in on_gpu:
-                done.synchronize()
-            with memoryview(buf) as view:
-                digests = [memory.checksum(view[start:start + nbytes]) if tensor.is_cuda
-                           else digest for (tensor, start, nbytes), digest in zip(
-                               big, digests, strict=True)]
-        return block, digests
-
-    def _start_gpu_copies(self, buf: Any, layout: _Layout, tensors: list[torch.Tensor],
-                          ready: Any) -> list[Any]:
-        """Queue the copies of the CUDA tensors into the slot on a side stream per device,
-        after ``ready``; return an event per device that marks their end."""
-        by_device: dict[torch.device, list[int]] = {}
-        for i, tensor in enumerate(tensors):
-            if tensor.is_cuda:
-                by_device.setdefault(tensor.device, []).append(i)
-        done = []
-        for device, indices in by_device.items():
-            stream = self._streams.get(device)
-            if stream is None:
-                stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-                self._streams[device] = stream
-            with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
-                stream.wait_event(ready)
-                for i in indices:
-                    tensor, nbytes = tensors[i], layout.nbytes[i]
-                    if nbytes:
-                        dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes,
-                                               offset=memory.HEADER_SIZE + layout.offsets[i])
-                        dst.view(tensor.dtype).view(tensor.shape).copy_(tensor,
-                                                                        non_blocking=True)
-                done.append(stream.record_event())
-        return done
-
-
-def _refresh_byte_views(layout: _Layout, srcs: list[torch.Tensor], ptrs: list[int]) -> None:
-    """Remake the byte views of the small tensors that moved since their view was made."""
-    for i, (src, ptr) in enumerate(zip(srcs, ptrs, strict=True)):
-        if ptr != layout.ptrs[i]:
-            group, index = layout.where[i]
-            contiguous = src.is_contiguous() and not (src.is_conj() or src.is_neg())
-            layout.parts[group][index] = (src.detach().reshape(-1).view(torch.uint8)
-                                          if contiguous else layout.parts[group][index][:0])
-            layout.ptrs[i] = ptr if contiguous else -1
-
-
-def copy_and_hash(buf: Any, start: int, tensor: torch.Tensor, nbytes: int) -> int:
-    """Copy ``tensor`` to byte ``start`` of ``buf``; return the xxh3 of the copied bytes.
-
-    A CPU tensor is copied and hashed in chunks that fit the core's L2 cache, so the hash
-    reads each chunk from cache right after the copy wrote it: the checksum costs no extra
-    pass over memory (about 0.9x a plain memcpy here, against 0.7x for a copy followed by
-    a hash of the destination). ``ctypes.memmove`` and xxhash both release the GIL.
-    """
-    if nbytes == 0:
-        return xxhash.xxh3_64_intdigest(b"")
-    dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=start)
-    src = tensor.detach()
-    view = memoryview(buf)
-    try:
-        if not src.is_contiguous() or src.device.type != "cpu" or src.is_conj() or (
-                src.is_neg()):
-            dst.view(src.dtype).view(src.shape).copy_(src)
-            return memory.checksum(view[start:start + nbytes])
-        hasher = xxhash.xxh3_64()
-        to, frm = dst.data_ptr(), src.data_ptr()
-        for lo in range(0, nbytes, memory.COPY_CHUNK):
-            size = min(memory.COPY_CHUNK, nbytes - lo)
-            ctypes.memmove(to + lo, frm + lo, size)
-            hasher.update(view[start + lo:start + lo + size])
-        return hasher.intdigest()
-    finally:
-        view.release()
-
-
-def _slot_tensor(buf: Any, entry: dict[str, Any]) -> torch.Tensor:
-    dtype = getattr(torch, entry["dtype"])
-    shape = tuple(entry["shape"])
-    nbytes = int(entry["nbytes"])
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes,
-                            offset=memory.HEADER_SIZE + int(entry["offset"]))
-    tensor = flat.view(dtype).view(shape)
-    device = entry.get("device", "cpu")
-    return tensor.to(device) if device != "cpu" else tensor
-
-
-def load_state(buf: Any, meta: dict[str, Any]) -> dict[str, Any]:
-    """The state tree a committed slot holds (``{"model": ..., "optimizer": ..., "extra": ...,
-    "rng": ...}``, each key only if it was saved), read from ``buf`` (a slot's bytes: a mapped
-    segment, a mapped persisted file, a private copy) as described by its metadata ``meta``.
-
-    Every tensor is a CPU copy that owns its memory, whatever device it was saved from, so
-    the result outlives ``buf``. Checksums are the caller's business (``memory.verify``).
-    """
-    tensors = [_slot_tensor(buf, {**entry, "device": "cpu"}) for entry in meta["tensors"]]
-    state: dict[str, Any] = _clone_tensors(_unflatten(meta["tree"], tensors))
-    return state
-
-
-class _Prefetch:
-    """The large CPU tensors that ``restore`` copies out of the slot (optimizer state and
-    ``extra``; model tensors go straight into the parameters), copied into this process's
-    memory by a thread while the script starts, builds its model and reaches ``restore``.
-
-    Fresh memory costs a page fault per 4 KiB page here: the copies of a 1 GiB state's
-    optimizer tensors took about 0.25 s of a recovery, now spent while the script is busy
-    elsewhere. ``restore`` uses them only if they come from the slot it restores (same
-    name and seq; nothing writes to a committed slot before the worker's next save).
-    """
-
-    def __init__(self, prefix: str, rank: int, step: int) -> None:
-        self.key: tuple[str, int] | None = None  # (slot name, seq) they were copied from
-        self.tensors: dict[int, torch.Tensor] = {}  # index in the slot's metadata -> copy
-        self._thread = threading.Thread(target=self._copy, args=(prefix, rank, step),
-                                        name="gemini-prefetch", daemon=True)
-        self._thread.start()
-
-    def take(self, name: str, seq: int) -> dict[int, torch.Tensor]:
-        self._thread.join()
-        return self.tensors if self.key == (name, seq) else {}
-
-    def _copy(self, prefix: str, rank: int, step: int) -> None:
-        segments: list[memory.Segment | None] = []
-        try:
-            for index in range(2):
-                name = memory.slot_name(prefix, rank, index)
-                segments.append(memory.attach_segment(name, populate=False)
-                                if (memory.SHM_DIR / name).exists() else None)
-            headers = [memory.read_header(s.view) if s else None for s in segments]
-            newest = _newest_holding(step, headers)
-            if newest is None:
-                return
-            segment, header = segments[newest], headers[newest]
-            assert segment is not None and header is not None
-            meta = memory.read_meta(segment.view, header)
-            copies = {}
-            for i, entry in enumerate(meta["tensors"]):
-                if entry["path"].startswith(("/optimizer/", "/extra/")) and (
-                        entry.get("device", "cpu") == "cpu"
-                        and int(entry["nbytes"]) > memory.SMALL_TENSOR):
-                    src = _slot_tensor(segment.view, entry)
-                    copies[i] = torch.empty_like(src)
-                    # a plain memcpy that releases the GIL: torch's own copy would start a
-                    # pool of compute threads for this thread
-                    ctypes.memmove(copies[i].data_ptr(), src.data_ptr(), src.nbytes)
-            self.key, self.tensors = (segment.name, header.seq), copies
-        except Exception:  # restore() reads the slot itself, and reports what is wrong
-            logger.debug("prefetch failed", exc_info=True)
-            self.key, self.tensors = None, {}
-        finally:
-            for segment in segments:
-                if segment is not None:
-                    segment.close()
-
-
-def _newest_holding(step: int, headers: list[memory.SlotHeader | None]) -> int | None:
-    """The index of the committed slot of ``step`` with the highest seq in ``headers``."""
-    best: tuple[int, int] | None = None
-    for index, header in enumerate(headers):
-        if header is not None and header.state is memory.SlotState.COMMITTED and (
-            header.step == step and (best is None or header.seq > best[1])
-        ):
-            best = (index, header.seq)
-    return best[0] if best else None
-
-
-_prefetch: _Prefetch | None = None
-
-
-def prefetch() -> None:
-    """Start copying the step this worker will restore (``GEMINI_RESTORE_STEP``) out of
-    its slot in the background; see ``_Prefetch``. Called as a standby takes its job and
-    when this module is imported in a worker, before the script reaches ``restore``."""
-    global _prefetch
-    step = os.environ.get(ENV_RESTORE_STEP, "")
-    prefix = os.environ.get(ENV_PREFIX, "")
-    if _prefetch is None and prefix and step.isdigit() and os.environ.get(ENV_SOCKET):
-        _prefetch = _Prefetch(prefix, int(os.environ.get("RANK", "0")), int(step))
-
-
-def _verified_seqs() -> dict[int, int]:
-    """Rank -> seq of the slot holding the restore step that the supervisor verified in
-    this round, from ``GEMINI_RESTORE_VERIFIED`` ("rank:seq,...")."""
-    pairs = (item.split(":") for item in os.environ.get(ENV_RESTORE_VERIFIED, "").split(",")
-             if item)
-    return {int(rank): int(seq) for rank, seq in pairs}
-
-
-def _clone_tensors(obj: Any, owned: frozenset[int] = frozenset()) -> Any:
-    """A copy of ``obj`` whose tensors own their memory (never alias a slot); tensors whose
-    id is in ``owned`` own theirs already and are kept."""
-    if isinstance(obj, torch.Tensor):
-        return obj if id(obj) in owned else obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone_tensors(v, owned) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone_tensors(v, owned) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_clone_tensors(v, owned) for v in obj)
-    return obj
 
 
 def _die_with_supervisor() -> None:
@@ -1189,5 +673,3 @@ def _warn_inactive() -> None:
         warnings.warn("gemini Checkpointer: not running under `gemini run`; "
                       "save() and restore() keep nothing", RuntimeWarning, stacklevel=3)
 
-
-prefetch()

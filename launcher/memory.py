@@ -45,6 +45,7 @@ from typing import Any, NamedTuple
 
 import xxhash
 
+from launcher.contract import ENV_SHM_DIR
 from launcher.errors import CheckpointError, StorageError
 
 logger = logging.getLogger(__name__)
@@ -140,8 +141,6 @@ def parse_slot_name(name: str) -> SlotName | None:
 #: counter per local rank, each in a cache line of its own, bumped by the worker.
 HEARTBEAT_SUFFIX = "heartbeat"
 HEARTBEAT_STRIDE = 64
-#: Worker environment variable naming that segment.
-ENV_HEARTBEAT = "GEMINI_HEARTBEAT"
 #: The count a worker leaves when it closes its Checkpointer: nothing more to watch.
 HEARTBEAT_DONE = (1 << 64) - 1
 
@@ -223,7 +222,7 @@ def shm_dir() -> Path:
     if _SHM_DIR is not None and not os.path.isdir(_SHM_DIR):
         _SHM_DIR = None  # another run of this user removed it when it emptied: make it anew
     if _SHM_DIR is None:
-        found = _private_dir(Path(os.environ.get("GEMINI_SHM_DIR", "/dev/shm")))
+        found = _private_dir(Path(os.environ.get(ENV_SHM_DIR, "/dev/shm")))
         assert found is not None  # created
         _SHM_DIR = found
     return _SHM_DIR
@@ -300,7 +299,7 @@ def open_segment(name: str, flags: int) -> int:
 
 def list_segments(prefix: str = PREFIX) -> list[str]:
     """Names of the segments in the shared-memory directory that start with ``prefix``."""
-    where = _SHM_DIR or _private_dir(Path(os.environ.get("GEMINI_SHM_DIR", "/dev/shm")),
+    where = _SHM_DIR or _private_dir(Path(os.environ.get(ENV_SHM_DIR, "/dev/shm")),
                                      create=False)
     if where is None:  # no run has made it: nothing to list (and nothing created)
         return []

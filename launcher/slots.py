@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from launcher import memory
+from launcher.contract import ENV_PREFIX, ENV_RESTORE_STEP, ENV_RESTORE_VERIFIED, ENV_SOCKET
 from launcher.errors import CheckpointError, GeminiError, ReplicationError, StorageError
 from launcher.events import EventLog
 from launcher.recovery import (
@@ -554,13 +555,6 @@ class SlotServer:
         self._sock.close()
 
 
-#: Worker environment variables (read by ``launcher.hook``).
-ENV_SOCKET = "GEMINI_SLOT_SOCKET"
-ENV_PREFIX = "GEMINI_SLOT_PREFIX"
-ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
-#: "rank:seq,...": the slots holding the restore step that the supervisor has just
-#: verified; a worker whose slot still has that seq need not hash it again.
-ENV_RESTORE_VERIFIED = "GEMINI_RESTORE_VERIFIED"
 
 
 class MemoryService:

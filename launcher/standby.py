@@ -208,8 +208,8 @@ def _run(job: dict[str, Any], niced: int) -> None:
     os.chdir(job["cwd"])
     sys.orig_argv = [sys.orig_argv[0], *job["argv"]]  # python's own command line
     show_command([sys.orig_argv[0], *job["argv"]])  # what ps and pgrep -f find
-    if "launcher.hook" in sys.modules:  # imported while waiting, without the job's variables
-        sys.modules["launcher.hook"].prefetch()
+    if "launcher.prefetch" in sys.modules:  # imported while waiting: start on the job's slot
+        sys.modules["launcher.prefetch"].prefetch()
     argv = list(job["argv"][1:])  # after the interpreter's "-u"
     try:
         if argv[0] == "-m":  # as `python -m`, which runs the module through runpy too
@@ -298,7 +298,7 @@ def _run_script(path: str) -> None:
 #: Imported by a standby before it waits: torch, and what torch imports lazily on first use
 #: of an optimizer (torch._dynamo, ~0.8 s), DDP and the process groups.
 WARM_MODULES = ("torch", "torch._dynamo", "torch.optim", "torch.distributed",
-                "torch.nn.parallel", "launcher.hook")
+                "torch.nn.parallel", "launcher.hook", "launcher.prefetch")
 
 
 def _renice_step() -> int:

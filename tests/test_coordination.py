@@ -253,7 +253,7 @@ def test_replacement_host_takes_the_lost_slot(tmp_path: Path) -> None:
 def test_old_events_and_rendezvous_rounds_are_pruned(tmp_path: Path) -> None:
     from launcher.coordination import prune_events
     from launcher.rendezvous import prune_rounds
-    from launcher.store import EmbeddedStore
+    from launcher.store.embedded import EmbeddedStore
 
     store = EmbeddedStore(tmp_path / "store.db")
     try:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from hosts import wait_for
 
-from launcher import hook, memory, rng
+from launcher import codec, contract, copier, hook, memory, prefetch, rng
 from launcher.errors import CheckpointError, StorageError
 from launcher.slots import SlotOwner, SlotServer, clean, find_leftovers
 
@@ -38,12 +38,12 @@ def supervisor(run_id: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlotSer
     """A slot owner and server as the supervisor runs them, and the worker environment."""
     owner = SlotOwner(run_id=run_id, host_id="h0", local_world_size=1)
     server = SlotServer(owner)
-    monkeypatch.setenv(hook.ENV_SOCKET, server.env_address)
-    monkeypatch.setenv(hook.ENV_PREFIX, owner.prefix)
+    monkeypatch.setenv(contract.ENV_SOCKET, server.env_address)
+    monkeypatch.setenv(contract.ENV_PREFIX, owner.prefix)
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "-1")
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "-1")
     yield server
     server.close()
     owner.close()
@@ -79,8 +79,8 @@ def test_tree_roundtrip_keeps_types() -> None:
             "model": {"w": torch.ones(2), "n": 4, "sub": {"b": torch.zeros(1)}},
             (1, "k"): "tuple key"}
     tensors: list[tuple[str, torch.Tensor]] = []
-    skeleton = hook._flatten(tree, "", tensors)
-    back = hook._unflatten(skeleton, [t for _, t in tensors])
+    skeleton = codec.flatten(tree, "", tensors)
+    back = codec.unflatten(skeleton, [t for _, t in tensors])
     assert back.keys() == tree.keys()
     assert back["a"] == (1, 2.5, "x") and back[3] == [None, True, b"\x00\xff"]
     assert back["__k"] is torch.float16 and torch.equal(back["t"], tree["t"])
@@ -180,9 +180,9 @@ def test_encoded_skeleton_is_the_json_of_the_skeleton_save_after_save() -> None:
     memo: dict[str, Any] = {}
     for tree in trees:
         expected: list[tuple[str, torch.Tensor]] = []
-        skeleton = json.dumps(hook._flatten(tree, "", expected), separators=(",", ":"))
+        skeleton = json.dumps(codec.flatten(tree, "", expected), separators=(",", ":"))
         tensors: list[tuple[str, torch.Tensor]] = []
-        assert hook._encode(tree, "", tensors, memo) == skeleton
+        assert codec.encode(tree, "", tensors, memo) == skeleton
         assert [p for p, _ in tensors] == [p for p, _ in expected]
         assert all(t is e for (_, t), (_, e) in zip(tensors, expected, strict=True))
     assert set(memo) == {"/model", "/optimizer/state", "/extra/sampler"}  # {"pos": m}: a table
@@ -268,13 +268,13 @@ def test_string_subclass_keys_are_strings() -> None:
         pass
 
     tensors: list[tuple[str, torch.Tensor]] = []
-    skeleton = hook._flatten({Key("lr"): 0.1}, "", tensors)
-    assert hook._unflatten(json.loads(json.dumps(skeleton)), []) == {"lr": 0.1}
+    skeleton = codec.flatten({Key("lr"): 0.1}, "", tensors)
+    assert codec.unflatten(json.loads(json.dumps(skeleton)), []) == {"lr": 0.1}
 
 
 def test_unsupported_value_is_a_clear_error() -> None:
     with pytest.raises(CheckpointError, match="extra/x.*set"):
-        hook._flatten({"extra": {"x": {1, 2}}}, "", [])
+        codec.flatten({"extra": {"x": {1, 2}}}, "", [])
 
 
 def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -295,7 +295,7 @@ def test_save_restore_bitwise(supervisor: SlotServer, monkeypatch: pytest.Monkey
     model2, opt2 = _model()
     extra2 = {"count": -1, "sched": torch.optim.lr_scheduler.StepLR(opt2, 2)}
     torch.manual_seed(123)
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "2")
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "2")
     ckpt2 = hook.Checkpointer(model=model2, optimizer=opt2, extra=extra2)
     assert ckpt2.restore() == 3
     for key, value in model2.state_dict().items():
@@ -327,20 +327,20 @@ def test_restore_uses_the_copies_prefetched_from_its_slot(
     ckpt.close()
     expected = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
 
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, str(prefetched_step))
-    monkeypatch.setattr(hook, "_prefetch", None)
-    hook.prefetch()
-    prefetch = hook._prefetch
-    assert prefetch is not None
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "1")
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, str(prefetched_step))
+    monkeypatch.setattr(prefetch, "_prefetch", None)
+    prefetch.prefetch()
+    started = prefetch._prefetch
+    assert started is not None
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "1")
     model2 = torch.nn.Linear(1100, 1100)
     opt2 = torch.optim.Adam(model2.parameters(), lr=0.1)
     assert hook.Checkpointer(model=model2, optimizer=opt2).restore() == 2
-    assert hook._prefetch is None
+    assert prefetch._prefetch is None
     state = opt2.state_dict()["state"][0]
     for key, value in expected.items():
         assert torch.equal(state[key], value), key
-    copies = {id(t) for t in prefetch.tensors.values()}
+    copies = {id(t) for t in started.tensors.values()}
     assert len(copies) == 2  # exp_avg and exp_avg_sq of the weight
     used = {id(state["exp_avg"]), id(state["exp_avg_sq"])}
     assert (used == copies) == (prefetched_step == 1)
@@ -381,7 +381,7 @@ def test_a_snapshot_holds_the_state_as_save_found_it(supervisor: SlotServer,
     model2, _ = _model()
     opt2 = torch.optim.Adam(model2.parameters(), lr=torch.tensor(0.1), foreach=False)
     extra2 = {"sched": torch.optim.lr_scheduler.StepLR(opt2, 1, gamma=0.5), "seen": []}
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "1")
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "1")
     assert hook.Checkpointer(model=model2, optimizer=opt2, extra=extra2).restore() == 2
     for key, value in model2.state_dict().items():
         assert torch.equal(value, expected[key]), key
@@ -446,7 +446,7 @@ def test_cuda_state_is_copied_into_pinned_slots_and_restored(
     assert ckpt._pinned == {}
 
     model2, opt2 = build()
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "2")
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "2")
     ckpt2 = hook.Checkpointer(model=model2, optimizer=opt2)
     assert ckpt2.restore() == 3
     for key, value in model2.state_dict().items():
@@ -495,8 +495,8 @@ def test_worker_verifies_unless_the_supervisor_did(supervisor: SlotServer,
     segment = memory.attach_segment(newest.name)
     segment.view[memory.HEADER_SIZE + 5] ^= 0x01
     segment.close()
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "1")
-    monkeypatch.setenv(hook.ENV_RESTORE_VERIFIED, f"0:{newest.header.seq + 1},1:{newest.header.seq}")
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "1")
+    monkeypatch.setenv(contract.ENV_RESTORE_VERIFIED, f"0:{newest.header.seq + 1},1:{newest.header.seq}")
     model, opt = _model()
     with pytest.raises(CheckpointError, match="checksum mismatch"):
         hook.Checkpointer(model=model, optimizer=opt).restore()
@@ -510,7 +510,7 @@ def test_mismatched_checkpoint_is_a_clear_error(supervisor: SlotServer,
     ckpt.save(0)
     ckpt.close()
     other, other_opt = _model(16)
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "0")
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "0")
     with pytest.raises(CheckpointError, match="does not match the model.*size mismatch"):
         hook.Checkpointer(model=other, optimizer=other_opt).restore()
 
@@ -540,7 +540,7 @@ def test_growing_metadata_gets_a_larger_slot(supervisor: SlotServer,
         losses.append(f"{step:04}" * 250)
         ckpt.save(step)
     ckpt.close()
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "149")
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "149")
     extra: dict[str, Any] = {"losses": []}
     assert hook.Checkpointer(model=model, optimizer=opt, extra=extra).restore() == 150
     assert extra["losses"] == losses
@@ -578,7 +578,7 @@ def test_shm_too_small_is_reported_with_sizes(supervisor: SlotServer) -> None:
 
 
 def test_inactive_outside_gemini_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(hook.ENV_SOCKET, raising=False)
+    monkeypatch.delenv(contract.ENV_SOCKET, raising=False)
     monkeypatch.setattr(hook, "_warned_inactive", False)
     model, opt = _model()
     with warnings.catch_warnings(record=True) as caught:
@@ -661,7 +661,7 @@ def test_saves_follow_tensors_that_move(supervisor: SlotServer) -> None:
         info = next(i for i in memory.iter_slots(supervisor.owner.prefix) if i.valid_step == step)
         segment = memory.attach_segment(info.name)
         assert info.meta is not None
-        state = hook.load_state(segment.view, info.meta)
+        state = codec.load_state(segment.view, info.meta)
         segment.close()
         assert torch.equal(state["model"]["weight"], weight), step
         assert torch.equal(state["extra"]["t"], extra["t"]), step
@@ -683,7 +683,7 @@ def test_large_tensors_are_copied_and_hashed_in_chunks(supervisor: SlotServer,
     large = [t for t in committed[0].meta["tensors"] if t["xxh3"] is not None]
     assert [t["path"] for t in large] == ["/model/weight"]
     restored = torch.nn.Linear(1100, 1100)
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "0")
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "0")
     hook.Checkpointer(model=restored).restore()
     assert torch.equal(restored.weight, big.weight) and torch.equal(restored.bias, big.bias)
 
@@ -730,7 +730,7 @@ def test_inspect_command_reports_and_verifies(supervisor: SlotServer) -> None:
 def test_copy_and_hash_copies_exactly_and_hashes_the_copy(nbytes: int) -> None:
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     buf = bytearray(nbytes + 128)
-    digest = hook.copy_and_hash(buf, 64, src, nbytes)
+    digest = copier.copy_and_hash(buf, 64, src, nbytes)
     assert bytes(buf[64:64 + nbytes]) == src.numpy().tobytes()
     assert buf[:64] == bytes(64) and buf[64 + nbytes:] == bytes(64)
     assert digest == memory.checksum(memoryview(buf)[64:64 + nbytes])
@@ -814,7 +814,7 @@ def test_sharded_state_outside_its_model_is_a_clear_error() -> None:
          "device": "cpu", "xxh3": None}]}
     buf = bytearray(memory.HEADER_SIZE + memory.ALIGN)
     with pytest.raises(CheckpointError, match=r"sharded \(DTensor\) state"):
-        hook.load_state(buf, meta)
+        codec.load_state(buf, meta)
 
 
 # -- a hostile user on the same host ------------------------------------------------------
@@ -1050,7 +1050,7 @@ def test_a_restore_that_could_not_be_brought_in_fails_the_worker_not_the_service
         raise CheckpointError(f"rank {rank}: step 1 could not be brought in: peer gone")
 
     supervisor.arrival = arrival
-    monkeypatch.setenv(hook.ENV_RESTORE_STEP, "1")
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "1")
     model, opt = _model()
     ckpt = hook.Checkpointer(model=model, optimizer=opt)
     with pytest.raises(StorageError, match="could not be brought in: peer gone"):

@@ -25,7 +25,7 @@ import pytest
 import xxhash
 from helpers import GEMINI, Done, run
 
-from launcher import memory, persist
+from launcher import codec, contract, export, memory, persist
 from launcher.errors import CheckpointError, StorageError, UsageError
 from launcher.slots import SlotOwner
 
@@ -419,7 +419,7 @@ import sys
 import time
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
-from launcher import memory, persist
+from launcher import codec, contract, export, memory, persist
 from test_persist import commit_slot
 directory, run_id, nbytes = Path(sys.argv[1]), sys.argv[2], int(sys.argv[4])
 copy_out = persist._copy_out
@@ -503,9 +503,9 @@ def trained(shm: Path, run_id: str, monkeypatch: pytest.MonkeyPatch) -> Iterator
 
     owner = SlotOwner(run_id=run_id, host_id="h0", local_world_size=1)
     server = SlotServer(owner)
-    for key, value in {hook.ENV_SOCKET: server.env_address, hook.ENV_PREFIX: owner.prefix,
+    for key, value in {contract.ENV_SOCKET: server.env_address, contract.ENV_PREFIX: owner.prefix,
                        "TORCHELASTIC_RUN_ID": run_id, "RANK": "0", "WORLD_SIZE": "1",
-                       hook.ENV_RESTORE_STEP: "-1"}.items():
+                       contract.ENV_RESTORE_STEP: "-1"}.items():
         monkeypatch.setenv(key, value)
     try:
         torch.manual_seed(0)
@@ -525,7 +525,7 @@ def trained(shm: Path, run_id: str, monkeypatch: pytest.MonkeyPatch) -> Iterator
             ckpt.save(step)
             ckpt.wait()
             states[step] = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                            "optimizer": hook._clone_tensors(opt.state_dict()),
+                            "optimizer": codec.clone_tensors(opt.state_dict()),
                             "extra": {"count": step * 10, "sched": sched.state_dict()},
                             "step": step}
         ckpt.close()
@@ -617,14 +617,14 @@ def test_export_falls_back_past_a_corrupt_step(tmp_path: Path, run_id: str,
     data = bytearray(path.read_bytes())
     data[memory.HEADER_SIZE] ^= 0xFF
     path.write_bytes(bytes(data))
-    with persist.open_checkpoint(run_id, directory=tmp_path) as image:
+    with export.open_checkpoint(run_id, directory=tmp_path) as image:
         assert image.header.step == 1
     with pytest.raises(CheckpointError, match="step 2.*checksum mismatch"):
-        persist.open_checkpoint(run_id, directory=tmp_path, step=2)
-    with persist.open_checkpoint(run_id) as image:
+        export.open_checkpoint(run_id, directory=tmp_path, step=2)
+    with export.open_checkpoint(run_id) as image:
         assert image.header.step == 2 and image.source.startswith("memory:")
     with pytest.raises(CheckpointError, match="rank 3"):
-        persist.open_checkpoint(run_id, rank=3)
+        export.open_checkpoint(run_id, rank=3)
 
 
 def test_export_bad_input_exit_codes(tmp_path: Path, run_id: str, shm: Path) -> None:

@@ -30,13 +30,13 @@ from helpers import REPO, free_port, kill_group, run, start
 from launcher.errors import ConfigError, StoreError, StoreUnavailableError
 from launcher.store import (
     PRIVATE_SEGMENT,
-    EmbeddedStore,
     EtcdCredentials,
-    EtcdStore,
     Store,
     open_store,
     watch_outages,
 )
+from launcher.store.embedded import EmbeddedStore
+from launcher.store.etcd import EtcdStore
 
 TTL = 1.0
 """Lease ttl of the suite: etcd grants 1 s because EtcdServer tunes its election timeout."""

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from launcher import Checkpointer, hook, memory
+from launcher import Checkpointer, copier, memory
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
@@ -78,7 +78,7 @@ for spec in args.kill:
 copy_kill_steps = {k_step for k_rank, k_step, when, k_attempt in kills
                    if (k_rank, when, k_attempt) == (rank, "copy", attempt)}
 if copy_kill_steps:
-    real_copy = hook._Worker.copy_all
+    real_copy = copier.CopyWorker.copy_all
 
     def copy_then_die(self, buf, layout, tensors, *rest):
         # the tensor bytes are written, the slot is WRITING: die before the commit
@@ -88,7 +88,7 @@ if copy_kill_steps:
         return result
 
     def arm(step):
-        hook._Worker.copy_all = copy_then_die if step in copy_kill_steps else real_copy
+        copier.CopyWorker.copy_all = copy_then_die if step in copy_kill_steps else real_copy
 
 
 for step in range(start, args.steps):

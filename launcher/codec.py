@@ -1,0 +1,270 @@
+"""The state-tree codec: a training state (nested dicts, lists, tuples, scalars, tensors,
+DTensors) as a JSON skeleton plus its tensors in order, and back.
+
+The worker's hook encodes what it saves with :func:`encode`; restore and export decode a
+slot with :func:`unflatten` / :func:`load_state`. A DTensor is saved as its local shard plus
+its mesh and placements, and rebuilt on the live mesh it was on.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import itertools
+import json
+import sys
+from typing import Any
+
+import torch
+
+from launcher import memory
+from launcher.errors import CheckpointError
+
+_SCALARS = frozenset({type(None), bool, int, float, str})
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_STR, _DUNDER = itertools.repeat(str), itertools.repeat("__")
+_DICTS = frozenset({dict, collections.OrderedDict})
+_TABLE_KEYS = frozenset({int, str})
+_chain = itertools.chain.from_iterable
+_json_str = json.encoder.encode_basestring_ascii
+
+
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2, tensor parallelism): only once something
+    imported ``torch.distributed.tensor`` can one exist."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
+def _tensor_leaf(tensor: torch.Tensor, path: str, tensors: list[tuple[str, torch.Tensor]]
+                 ) -> dict[str, Any]:
+    """The skeleton node of a tensor; a DTensor is saved as its local shard plus what
+    rebuilds it around that shard (mesh, placements, global shape and stride)."""
+    if type(tensor) in _PLAIN_TENSORS or not is_dtensor(tensor):
+        tensors.append((path, tensor))
+        return {"__tensor__": len(tensors) - 1}
+    tensors.append((path, tensor.to_local()))  # type: ignore[attr-defined]
+    return {"__dtensor__": len(tensors) - 1,
+            "mesh": _mesh_key(tensor.device_mesh),  # type: ignore[attr-defined]
+            "placements": [_placement(p, path) for p in tensor.placements],  # type: ignore[attr-defined]
+            "shape": list(tensor.shape), "stride": list(tensor.stride())}
+
+
+def _mesh_key(mesh: Any) -> str:
+    return json.dumps([mesh.device_type, mesh.mesh.tolist(), list(mesh.mesh_dim_names or [])])
+
+
+def _placement(placement: Any, path: str) -> list[Any]:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if type(placement).__name__ == "_StridedShard":
+        return ["_StridedShard", placement.dim, placement.split_factor]
+    if isinstance(placement, Shard):
+        return ["Shard", placement.dim]
+    if isinstance(placement, Replicate):
+        return ["Replicate"]
+    if isinstance(placement, Partial):
+        return ["Partial", placement.reduce_op]
+    raise CheckpointError(f"cannot checkpoint {path}: DTensor placement {placement!r}")
+
+
+def _dtensor(node: dict[str, Any], local: torch.Tensor, meshes: dict[str, Any] | None
+             ) -> torch.Tensor:
+    """Rebuild a saved DTensor around its ``local`` shard, on the live mesh it was on."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if meshes is None:
+        raise CheckpointError("it holds sharded (DTensor) state, which only a restore into "
+                              "the model that saved it can rebuild")
+    mesh = meshes.get(node["mesh"])
+    if mesh is None:
+        raise CheckpointError(f"it holds a DTensor on device mesh {node['mesh']}, which "
+                              "no DTensor of the model or optimizer is on")
+    placements = []
+    for kind, *args in node["placements"]:
+        if kind == "_StridedShard":
+            placements.append(_StridedShard(args[0], split_factor=args[1]))
+        else:
+            placements.append({"Shard": Shard, "Replicate": Replicate,
+                               "Partial": Partial}[kind](*args))
+    return DTensor.from_local(local, mesh, placements, run_check=False,
+                              shape=torch.Size(node["shape"]), stride=tuple(node["stride"]))
+
+
+def live_meshes(*trees: Any) -> dict[str, Any]:
+    """The device meshes of the DTensors in ``trees`` (nested lists and dicts)."""
+    meshes: dict[str, Any] = {}
+    stack = list(trees)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, torch.Tensor) and is_dtensor(item):
+            meshes.setdefault(_mesh_key(item.device_mesh), item.device_mesh)  # type: ignore[attr-defined]
+    return meshes
+
+
+def flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
+    """JSON-able skeleton of ``obj``; tensors are replaced by their index in ``tensors``.
+
+    This runs at every save, so leaves (scalars and tensors, nearly every node) are handled
+    in the loops over their containers rather than by a call each.
+    """
+    kind = type(obj)
+    if kind in _SCALARS:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return _tensor_leaf(obj, path, tensors)
+    if isinstance(obj, dict):
+        if all(map(isinstance, obj, _STR)) and not any(map(str.startswith, obj, _DUNDER)):
+            out = {}
+            for k, v in obj.items():
+                if type(v) in _SCALARS:
+                    out[k] = v
+                elif type(v) in _PLAIN_TENSORS:  # the common case, without a call
+                    tensors.append((f"{path}/{k}", v))
+                    out[k] = {"__tensor__": len(tensors) - 1}
+                elif isinstance(v, torch.Tensor):
+                    out[k] = _tensor_leaf(v, f"{path}/{k}", tensors)
+                else:
+                    out[k] = flatten(v, f"{path}/{k}", tensors)
+            return out
+        return {"__items__": [[k if type(k) in _SCALARS else flatten(k, f"{path}/<key>", tensors),
+                               flatten(v, f"{path}/{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (tuple, list)):
+        if _SCALARS.issuperset(map(type, obj)):  # e.g. param ids: no recursion
+            items = list(obj)
+        else:
+            items = [flatten(v, f"{path}/{i}", tensors) for i, v in enumerate(obj)]
+        return {"__tuple__": items} if isinstance(obj, tuple) else items
+    if isinstance(obj, bytes):
+        return {"__bytes__": base64.b64encode(obj).decode()}
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    raise CheckpointError(f"cannot checkpoint {path or 'value'}: unsupported type "
+                          f"{type(obj).__name__} (use tensors, numbers, strings, lists, dicts)")
+
+
+def encode(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]],
+            memo: dict[str, tuple[Any, str, list[str]]]) -> str:
+    """``json.dumps(flatten(obj, path, tensors), separators=(",", ":"))``, faster at every
+    save after the first.
+
+    A *tensor table* (a dict of plain tensors, like a model's state_dict, or of such dicts,
+    like an optimizer's per-parameter state) has a skeleton that depends only on its keys
+    and on where its tensors start in ``tensors``. ``memo`` (path -> (structure, JSON, tensor
+    paths)) keeps the last table seen at each path; a table with the same structure takes
+    its JSON from there instead of building and encoding a node per tensor. The structure
+    holds every key with its exact type, so the JSON is exactly what encoding would give.
+    (A memo of the parts without tensors, keyed by marshal's bytes of them, halved their
+    cost on warm caches and saved nothing within a training loop: not kept.)
+    """
+    if type(obj) in _DICTS:
+        structure = _table_structure(obj, len(tensors))
+        if structure is not None:
+            known = memo.get(path)
+            if known is not None and known[0] == structure:
+                values = obj.values()
+                if not structure[1]:  # a dict of dicts of tensors
+                    values = _chain(map(dict.values, values))
+                tensors.extend(zip(known[2], values, strict=True))
+                return known[1]
+            base = len(tensors)
+            text = json.dumps(flatten(obj, path, tensors), separators=(",", ":"))
+            memo[path] = (structure, text, [p for p, _ in tensors[base:]])
+            return text
+        if any(type(v) in _DICTS for v in obj.values()) and all(
+                map(isinstance, obj, _STR)) and not any(map(str.startswith, obj, _DUNDER)):
+            # a dict of parts (the state, an optimizer's state_dict): encode each on its own
+            return "{" + ",".join(f"{_json_str(k)}:{encode(v, f'{path}/{k}', tensors, memo)}"
+                                  for k, v in obj.items()) + "}"
+    return json.dumps(flatten(obj, path, tensors), separators=(",", ":"))
+
+
+def _table_structure(obj: dict[Any, Any], base: int) -> tuple[Any, ...] | None:
+    """What the skeleton of ``obj`` depends on, if ``obj`` is a tensor table (see
+    ``encode``): its first tensor's index and its keys (for a dict of dicts, each dict's
+    keys); None if it is not one. Outer keys of a dict of dicts must be exactly int or
+    str, so that equal keys are the same key (True == 1, but encodes otherwise); inner
+    keys are strings, which equal only strings. Every pass runs in C (``map``)."""
+    values = obj.values()
+    if _PLAIN_TENSORS.issuperset(map(type, values)):
+        return (base, True, tuple(obj)) if all(map(isinstance, obj, _STR)) else None
+    if not (_DICTS.issuperset(map(type, values)) and _TABLE_KEYS.issuperset(map(type, obj))
+            and _PLAIN_TENSORS.issuperset(map(type, _chain(map(dict.values, values))))):
+        return None
+    inner = tuple(map(tuple, values))
+    if not all(map(isinstance, _chain(inner), _STR)):
+        return None
+    return (base, False, tuple(obj), inner)
+
+
+def unflatten(node: Any, tensors: list[torch.Tensor], meshes: dict[str, Any] | None = None
+               ) -> Any:
+    """The state tree of a skeleton; DTensors are rebuilt on the live ``meshes`` (see
+    ``live_meshes``), and None refuses them."""
+    if isinstance(node, list):
+        return [unflatten(v, tensors, meshes) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if "__tensor__" in node:
+        return tensors[node["__tensor__"]]
+    if "__dtensor__" in node:
+        return _dtensor(node, tensors[node["__dtensor__"]], meshes)
+    if "__tuple__" in node:
+        return tuple(unflatten(v, tensors, meshes) for v in node["__tuple__"])
+    if "__items__" in node:
+        return {unflatten(k, tensors, meshes): unflatten(v, tensors, meshes)
+                for k, v in node["__items__"]}
+    if "__bytes__" in node:
+        return base64.b64decode(node["__bytes__"])
+    if "__dtype__" in node:
+        return getattr(torch, node["__dtype__"])
+    return {k: unflatten(v, tensors, meshes) for k, v in node.items()}
+
+
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def slot_tensor(buf: Any, entry: dict[str, Any]) -> torch.Tensor:
+    dtype = getattr(torch, entry["dtype"])
+    shape = tuple(entry["shape"])
+    nbytes = int(entry["nbytes"])
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes,
+                            offset=memory.HEADER_SIZE + int(entry["offset"]))
+    tensor = flat.view(dtype).view(shape)
+    device = entry.get("device", "cpu")
+    return tensor.to(device) if device != "cpu" else tensor
+
+
+def load_state(buf: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """The state tree a committed slot holds (``{"model": ..., "optimizer": ..., "extra": ...,
+    "rng": ...}``, each key only if it was saved), read from ``buf`` (a slot's bytes: a mapped
+    segment, a mapped persisted file, a private copy) as described by its metadata ``meta``.
+
+    Every tensor is a CPU copy that owns its memory, whatever device it was saved from, so
+    the result outlives ``buf``. Checksums are the caller's business (``memory.verify``).
+    """
+    tensors = [slot_tensor(buf, {**entry, "device": "cpu"}) for entry in meta["tensors"]]
+    state: dict[str, Any] = clone_tensors(unflatten(meta["tree"], tensors))
+    return state
+
+
+def clone_tensors(obj: Any, owned: frozenset[int] = frozenset()) -> Any:
+    """A copy of ``obj`` whose tensors own their memory (never alias a slot); tensors whose
+    id is in ``owned`` own theirs already and are kept."""
+    if isinstance(obj, torch.Tensor):
+        return obj if id(obj) in owned else obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_tensors(v, owned) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_tensors(v, owned) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(clone_tensors(v, owned) for v in obj)
+    return obj

@@ -1,0 +1,26 @@
+"""The supervisor/worker contract: what gemini adds to the worker environment.
+
+The supervisor (``launcher.agent``, ``launcher.slots``) sets these variables on top of
+torchrun's; the worker's hook (``launcher.hook``) reads them. Both import this module,
+which imports nothing, so the worker's side stays small.
+"""
+
+ENV_RUN_DIR = "GEMINI_RUN_DIR"
+"""The run's directory (events, state) on this host."""
+ENV_HOST_ID = "GEMINI_HOST_ID"
+"""This host's id within the run."""
+ENV_SUPERVISOR_PID = "GEMINI_SUPERVISOR_PID"
+"""The supervisor's pid: a worker whose supervisor died exits instead of training on."""
+ENV_SOCKET = "GEMINI_SLOT_SOCKET"
+"""The supervisor's slot service (an abstract Unix socket, ``@name``)."""
+ENV_PREFIX = "GEMINI_SLOT_PREFIX"
+"""The name prefix of this run's and host's shared-memory segments."""
+ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
+"""The step every rank restores (-1: start fresh)."""
+ENV_RESTORE_VERIFIED = "GEMINI_RESTORE_VERIFIED"
+"""``rank:seq,...``: the slots holding the restore step that the supervisor has just
+verified; a worker whose slot still has that seq need not hash it again."""
+ENV_HEARTBEAT = "GEMINI_HEARTBEAT"
+"""The segment of per-local-rank progress counters the worker bumps."""
+ENV_SHM_DIR = "GEMINI_SHM_DIR"
+"""Where shared memory lives (default /dev/shm); read by both sides."""

@@ -1,0 +1,182 @@
+"""Reading a checkpoint out of gemini: the newest verified step of a rank, from this
+host's shared memory or the persistent tier (:func:`open_checkpoint`, behind ``gemini
+inspect``), written as a ``torch.distributed.checkpoint`` directory
+(:func:`export_checkpoint`, behind ``gemini export``)."""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from launcher import memory
+from launcher.errors import CheckpointError, StorageError, UsageError
+from launcher.persist import SlotImage, read_slot_file, scan, slot_path
+
+
+def _snapshot(segment: memory.Segment) -> SlotImage | None:
+    """A private copy of the committed slot ``segment`` holds, verified; None if the slot
+    changed during the copy. Raises CheckpointError if it does not verify."""
+    buf = segment.view
+    header = memory.read_header(buf)
+    if header is None or header.state is not memory.SlotState.COMMITTED:
+        return None
+    end = header.meta_offset + header.meta_len
+    if header.meta_offset < memory.HEADER_SIZE + header.data_len or end > len(buf):
+        raise CheckpointError("malformed header")
+    copy = mmap.mmap(-1, end)
+    try:
+        with memoryview(copy) as dst, memoryview(buf) as src:
+            dst[:end] = src[:end]
+        if not memory.unchanged(buf, header):
+            copy.close()
+            return None
+        meta = memory.read_meta(copy, header)
+        memory.verify(copy, header, meta)
+    except (ValueError, KeyError, TypeError) as exc:
+        copy.close()
+        raise CheckpointError(f"malformed metadata: {exc}") from None
+    except CheckpointError:
+        copy.close()
+        raise
+    return SlotImage(f"memory:{segment.name}", header, meta, copy)
+
+
+def open_checkpoint(run_id: str, *, rank: int = 0, step: int | None = None,
+                    directory: Path | None = None) -> SlotImage:
+    """The newest step (or ``step``) of ``rank`` that verifies: from this host's shared
+    memory (the run's own slots, not replicas of peers), or from the persisted files under
+    ``directory``. Raises CheckpointError when none verifies, StorageError when
+    ``directory`` is not a directory."""
+    reasons: list[str] = []
+    if directory is not None:
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise StorageError(f"{directory} is not a directory")
+        where = str(directory)
+        steps = sorted(scan(directory, run_id).get(rank, []), reverse=True)
+        for found in steps:
+            if step is not None and found != step:
+                continue
+            try:
+                return read_slot_file(slot_path(directory, run_id, rank, found))
+            except CheckpointError as exc:
+                reasons.append(f"step {found}: {exc}")
+    else:
+        where = f"shared memory ({memory.SHM_DIR})"
+        for _ in range(3):  # a slot a live run rewrote meanwhile: look again
+            changed = False
+            for name in _memory_candidates(run_id, rank, step):
+                try:
+                    segment = memory.attach_segment(name, populate=False)
+                except StorageError as exc:
+                    reasons.append(str(exc))
+                    continue
+                try:
+                    image = _snapshot(segment)
+                except CheckpointError as exc:
+                    reasons.append(f"{name}: {exc}")
+                    continue
+                finally:
+                    segment.close()
+                if image is not None and (step is None or image.header.step == step):
+                    return image
+                if image is not None:
+                    image.close()
+                changed = True
+            if not changed:
+                break
+    what = f"rank {rank}" + ("" if step is None else f" step {step}")
+    detail = f" ({'; '.join(reasons[:3])})" if reasons else ""
+    raise CheckpointError(f"no verified checkpoint of run {run_id!r} {what} in {where}{detail}")
+
+
+def _memory_candidates(run_id: str, rank: int, step: int | None) -> list[str]:
+    """Names of this run's own committed slots of ``rank`` on this host, newest first."""
+    found = []
+    for info in memory.iter_slots(memory.PREFIX + memory.run_key(run_id), check=False):
+        header = info.header
+        if (info.replica or info.rank != rank or header is None or info.valid_step is None
+                or header.run_id != run_id[:64] or (step is not None and header.step != step)):
+            continue
+        found.append(((header.step, header.seq), info.name))
+    return [name for _, name in sorted(found, reverse=True)]
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What :func:`export_checkpoint` wrote."""
+
+    run_id: str
+    rank: int
+    step: int
+    source: str
+    """``memory:<segment>`` or the persisted file."""
+    out_dir: Path
+    tensors: int
+    nbytes: int
+    """Tensor bytes written."""
+
+
+def export_checkpoint(out_dir: Path, run_id: str, *, rank: int = 0, step: int | None = None,
+                      directory: Path | None = None) -> ExportResult:
+    """Write the newest verified step (or ``step``) of ``rank`` as a
+    ``torch.distributed.checkpoint`` directory at ``out_dir`` (created; must be empty).
+
+    The state dict is ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    "extra": {...}, "step": N}`` (keys the script did not checkpoint are left out): the
+    optimizer keeps torch.optim's layout with integer parameter ids, and values that are
+    not tensors are stored by DCP as pickled bytes. Load it with
+    ``torch.distributed.checkpoint.load`` into a dict of the same layout (an optimizer's
+    state must exist first, e.g. after one step) or convert it with
+    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``.
+
+    Raises UsageError if ``out_dir`` is not empty, StorageError if it or ``directory`` is
+    not usable, CheckpointError if no step verifies.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() or out_dir.is_symlink():
+        if not out_dir.is_dir():
+            raise StorageError(f"{out_dir} exists and is not a directory")
+        if any(out_dir.iterdir()):
+            raise UsageError(f"{out_dir} is not empty; export into a new or empty directory")
+    with open_checkpoint(run_id, rank=rank, step=step, directory=directory) as image:
+        import warnings
+
+        import torch
+        from torch.distributed.checkpoint.api import CheckpointException
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        from launcher.codec import load_state
+
+        state = load_state(image.buf, image.meta)
+        source, found = image.source, image.header.step
+    state_dict: dict[str, Any] = {k: state[k] for k in ("model", "optimizer", "extra")
+                                  if k in state}
+    state_dict["step"] = found
+    tensors = [t for t in _leaves(state_dict) if isinstance(t, torch.Tensor)]
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
+            save(state_dict, storage_writer=FileSystemWriter(out_dir), no_dist=True)
+    except OSError as exc:
+        raise StorageError(f"cannot write {out_dir}: {exc.strerror or exc}") from None
+    except CheckpointException as exc:
+        raise StorageError(f"cannot write {out_dir}: {' '.join(str(exc).split())}") from None
+    return ExportResult(run_id, rank, found, source, out_dir, len(tensors),
+                        sum(t.numel() * t.element_size() for t in tensors))
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, dict):
+        for value in obj.values():
+            yield from _leaves(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _leaves(value)
+    else:
+        yield obj
