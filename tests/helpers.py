@@ -7,13 +7,15 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "tests" / "scripts"
+FAKE_NVML = REPO / "tests" / "fake_nvml"
 EXAMPLES = REPO / "examples"
 GEMINI = (sys.executable, "-m", "gemini_cli")
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run")
@@ -64,6 +66,29 @@ def read_lines(proc: subprocess.Popen[str], sink: list[str]) -> threading.Thread
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
     return thread
+
+
+T = TypeVar("T")
+
+
+class TimedOut(AssertionError):
+    """What :func:`poll` raises when its condition did not come true in time."""
+
+
+def poll(predicate: Callable[[], T], timeout: float, what: str, *, interval: float = 0.05,
+         by: float = float("inf"), details: Callable[[], str] | None = None) -> T:
+    """Call ``predicate`` every ``interval`` seconds until it returns something true, and
+    return that. Past ``timeout`` seconds (or the monotonic time ``by``), after one last
+    call, fail with :class:`TimedOut` naming ``what``, followed by ``details()``."""
+    deadline = min(time.monotonic() + timeout, by)
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            message = f"timed out after {timeout:g} s waiting for {what}"
+            raise TimedOut(message + ("\n" + details() if details is not None else ""))
+        time.sleep(interval)
 
 
 def kill_group(proc: subprocess.Popen[str]) -> None:

@@ -11,11 +11,10 @@ import os
 import shlex
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import torch
-from helpers import env_with, kill_group, kill_tree
+from helpers import env_with, kill_group, kill_tree, poll
 
 ROOT = os.geteuid() == 0
 
@@ -58,12 +57,8 @@ def wait_for(predicate, timeout: float, what: str, hosts: list[Host],  # type: i
           by: float = float("inf")) -> None:
     """Wait until ``predicate()``, at most ``timeout`` seconds and not past the monotonic
     time ``by``; on timeout fail with the tail of every host's output."""
-    deadline = min(time.monotonic() + timeout, by)
-    while not predicate():
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {h.name}\n{h.output()[-2500:]}" for h in hosts)
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.2)
+    poll(predicate, timeout, what, interval=0.2, by=by,
+         details=lambda: "\n".join(f"--- {h.name}\n{h.output()[-2500:]}" for h in hosts))
 
 
 def assert_bitwise(got: dict, want: dict) -> None:

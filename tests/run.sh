@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Run gemini's whole test suite on a fresh machine: sets up .venv and etcd first.
-# Extra arguments go to pytest, e.g. `bash tests/run.sh -k parity -x`.
+# Extra arguments go to pytest, e.g. `bash tests/run.sh -k parity -x`; a first argument
+# `unit` or `integration` runs only tests/unit (seconds) or tests/integration, e.g.
+# `bash tests/run.sh unit -x`.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${GEMINI_VENV:-$ROOT/.venv}"
 bash "$ROOT/.ci/setup.sh" test
 cd "$ROOT"
+if [ "$#" -gt 0 ] && { [ "$1" = unit ] || [ "$1" = integration ]; }; then
+    set -- "tests/$1" "${@:2}"
+fi
 set +e
 "$VENV/bin/python" -m pytest "$@"
 rc=$?

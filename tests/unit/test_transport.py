@@ -3,24 +3,36 @@
 Two (or three) SlotOwners with different host ids stand in for hosts; slots are filled
 with random bytes and hook-format metadata (xxh3 per tensor) and committed with
 ``memory.write_commit``. Hostile peers are raw sockets or channels that speak just enough
-of the protocol to misbehave at a chosen point.
+of the protocol to misbehave at a chosen point. The tests that wait out the server's
+timeouts (seconds) are in tests/integration/test_transport.py.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import xxhash
+from transport_support import (
+    SECRET,
+    WORLD,
+    Net,
+    _connect_from,
+    _seq,
+    fill,
+    make_meta,
+    net,
+    random_data,
+    slot_bytes,
+    wait_for,
+)
 
 from launcher import memory
 from launcher.errors import CheckpointError, ConfigError, ReplicationError
@@ -36,114 +48,10 @@ from launcher.replication.transport import (
     Client,
     GetRequest,
     PutRequest,
-    Server,
 )
 from launcher.slots import SlotOwner
 
-SECRET = b"0123456789abcdef-test-secret"
-WORLD = 2
-_seq = itertools.count(1)
-
-
-def make_meta(data: bytes, step: int) -> bytes:
-    """Hook-format metadata for ``data`` as two tensors with xxh3 checksums."""
-    half = len(data) // 2
-    tensors = [{"path": path, "dtype": "uint8", "shape": [end - start], "offset": start,
-                "nbytes": end - start, "device": "cpu",
-                "xxh3": f"{xxhash.xxh3_64_intdigest(data[start:end]):016x}"}
-               for path, start, end in (("a", 0, half), ("b", half, len(data)))]
-    return json.dumps({"step": step, "tensors": tensors, "blocks": [], "tree": {}}).encode()
-
-
-def fill(owner: SlotOwner, rank: int, step: int, data: bytes) -> memory.Segment:
-    """Commit ``data`` as ``step`` of ``rank`` in one of ``owner``'s own slots."""
-    meta = make_meta(data, step)
-    segment = owner.write_target(rank, memory.slot_size(len(data), len(meta)), replica=False)
-    segment.view[memory.HEADER_SIZE:memory.HEADER_SIZE + len(data)] = data
-    memory.write_commit(segment.view, step=step, seq=next(_seq), rank=rank, world_size=WORLD,
-                        run_id=owner.run_id, data_len=len(data), meta=meta)
-    return segment
-
-
-def slot_bytes(segment: memory.Segment) -> bytes:
-    header = memory.read_header(segment.view)
-    assert header is not None
-    return bytes(segment.view[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len])
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
-
-@dataclass
-class Net:
-    """Host a (pusher), host b (runs the server), and what b's server reported."""
-
-    run_id: str
-    a: SlotOwner
-    b: SlotOwner
-    rejects: list[tuple[str, str]] = field(default_factory=list)
-    replicas: list[tuple[int, int]] = field(default_factory=list)
-    servers: list[Server] = field(default_factory=list)
-    clients: list[Client] = field(default_factory=list)
-
-    def server(self, **kwargs: Any) -> Server:
-        server = Server(self.b, secret=SECRET, run_id=self.run_id,
-                        on_reject=lambda peer, reason: self.rejects.append((peer, reason)),
-                        on_replica=lambda rank, step: self.replicas.append((rank, step)), **kwargs)
-        self.servers.append(server)
-        return server
-
-    def client(self, server: Server, *, secret: bytes = SECRET, run_id: str | None = None,
-               timeout: float = 10.0) -> Client:
-        client = Client(server.address, secret=secret, run_id=run_id or self.run_id,
-                        timeout=timeout)
-        self.clients.append(client)
-        return client
-
-    def channel(self, server: Server) -> transport._Channel:
-        """A raw authenticated connection, for playing a misbehaving peer."""
-        return transport._connect(server.address, secret=SECRET, run_id=self.run_id, timeout=5.0)
-
-    def replica_steps(self) -> list[int]:
-        return self.b.holdings(None, WORLD, replica=True).get(0, [])
-
-    def reasons(self) -> str:
-        return " | ".join(reason for _, reason in self.rejects)
-
-    def wait_reject(self, text: str) -> None:
-        assert wait_for(lambda: text in self.reasons()), f"no reject with {text!r}: {self.rejects}"
-
-
-@pytest.fixture
-def net(request: pytest.FixtureRequest) -> Iterator[Net]:
-    run_id = f"test-{os.getpid()}-{request.node.name}"
-    a = SlotOwner(run_id=run_id, host_id="ha", local_world_size=1)
-    b = SlotOwner(run_id=run_id, host_id="hb", local_world_size=1)
-    network = Net(run_id, a, b)
-    try:
-        yield network
-    finally:
-        for client in network.clients:
-            client.close()
-        for server in network.servers:
-            server.close()
-        a.close()
-        b.close()
-        prefix = memory.PREFIX + memory.run_key(run_id)
-        left = memory.list_segments(prefix)
-        for name in left:
-            memory.unlink_segment(name)
-        assert left == []
-
-
-def random_data(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
+__all__ = ["net"]  # a fixture (transport_support), used by name
 
 
 # -- the happy paths ----------------------------------------------------------------------
@@ -575,32 +483,6 @@ def test_push_calls_pace_before_each_chunk(net: Net, monkeypatch: pytest.MonkeyP
     assert net.replica_steps() == [1]
 
 
-def test_stalled_peers_do_not_block_others(net: Net) -> None:
-    server = net.server(timeout=1.5, handshake_timeout=1.5)
-    half_hello = socket.create_connection(server.address, timeout=5)
-    half_hello.sendall(HELLO.pack(MAGIC, os.urandom(32), transport.run_tag(net.run_id))[:10])
-    half_frame = net.channel(server)
-    half_frame.sock.sendall(transport.seal_frame(half_frame._key, TO_SERVER, 0,
-                                                 {"op": "get", "rank": 0, "step": 0})[:12])
-    data = random_data(100_000, 16)
-    source = fill(net.a, 1, 5, data)
-    header = memory.read_header(source.view)
-    assert header is not None
-    half_data = net.channel(server)
-    half_data.send({"op": "put", **transport._slot_message(header, net.run_id)}, make_meta(data, 5))
-    assert transport.parse_reply(half_data.recv()[0]) == {"ok": True}
-    half_data.sock.sendall(data[:1000])
-    # while three peers stall mid-hello, mid-frame and mid-data, another one is served
-    assert net.client(server).push(fill(net.a, 0, 1, random_data(100_000, 17))) == 1
-    assert net.rejects == []
-    # and each stalled connection is dropped after the timeout, not held forever
-    assert wait_for(lambda: len(net.rejects) == 3, timeout=10)
-    assert "timed out" in net.reasons() and "stalled" in net.reasons()
-    assert net.b.holdings(None, WORLD, replica=True) == {0: [1], 1: []}
-    for sock in (half_hello, half_frame.sock, half_data.sock):
-        sock.close()
-
-
 def test_idle_connection_is_reopened(net: Net) -> None:
     server = net.server(idle_timeout=0.2)
     client = net.client(server)
@@ -747,35 +629,6 @@ def test_replication_listens_on_the_network_that_reaches_the_rendezvous() -> Non
     assert address_towards("127.0.0.1") == "127.0.0.1"
     assert address_towards("localhost") in ("127.0.0.1", "::1")
     assert address_towards("") is None and address_towards("no-such-host.invalid") is None
-
-
-def _connect_from(source: str, address: tuple[str, int]) -> socket.socket:
-    sock = socket.socket()
-    sock.bind((source, 0))  # another loopback address: another "host"
-    sock.connect(address)
-    return sock
-
-
-def test_idle_unauthenticated_connections_never_lock_peers_out(net: Net) -> None:
-    """A neighbour opens 80 connections (more than the server's 64) and never says
-    hello: past 4 from its address the server refuses them at once, a real peer pushes
-    meanwhile, and the held ones are dropped at the handshake deadline."""
-    server = net.server(handshake_timeout=3.0)
-    idle = [_connect_from("127.0.0.2", server.address) for _ in range(80)]
-    try:
-        assert net.client(server).push(fill(net.a, 0, 1, random_data(10_000, 1))) == 1
-        closed = 0
-        for sock in idle:
-            sock.settimeout(5)
-            try:
-                closed += sock.recv(1) == b""
-            except OSError:
-                closed += 1
-        assert closed == 80  # refused at once, or dropped after the deadline
-        assert net.client(server).push(fill(net.a, 0, 2, random_data(10_000, 2))) == 2
-    finally:
-        for sock in idle:
-            sock.close()
 
 
 def test_a_flood_of_bad_hellos_is_reported_in_a_few_lines(net: Net) -> None:

@@ -1,76 +1,28 @@
 """Shared-memory slots, the supervisor's slot owner, and the worker hook, in one process.
 
-Real /dev/shm segments, a real Unix socket server; no torch elastic.
+Real /dev/shm segments, a real Unix socket server; no torch elastic. The tests that start
+processes are in tests/integration/test_memory.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import subprocess
-import sys
 import threading
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from hosts import wait_for
+from memory_support import _model, _save_two_steps, _train, run_id, supervisor
 
 from launcher import codec, contract, copier, hook, memory, prefetch, rng
 from launcher.errors import CheckpointError, StorageError
-from launcher.slots import SlotOwner, SlotServer, clean, find_leftovers
+from launcher.slots import SlotOwner, SlotServer
 
-
-@pytest.fixture
-def run_id(request: pytest.FixtureRequest) -> Iterator[str]:
-    rid = f"test-{os.getpid()}-{request.node.name}"
-    yield rid
-    for name in memory.list_segments(memory.PREFIX + memory.run_key(rid)):
-        memory.unlink_segment(name)
-
-
-@pytest.fixture
-def supervisor(run_id: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlotServer]:
-    """A slot owner and server as the supervisor runs them, and the worker environment."""
-    owner = SlotOwner(run_id=run_id, host_id="h0", local_world_size=1)
-    server = SlotServer(owner)
-    monkeypatch.setenv(contract.ENV_SOCKET, server.env_address)
-    monkeypatch.setenv(contract.ENV_PREFIX, owner.prefix)
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "-1")
-    yield server
-    server.close()
-    owner.close()
-    assert memory.list_segments(owner.prefix) == []
-
-
-def _model(width: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.BatchNorm1d(width))
-    return model, torch.optim.Adam(model.parameters(), lr=0.1)
-
-
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
-    model(torch.randn(4, model[0].in_features)).square().mean().backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _save_two_steps() -> None:
-    """Train and save steps 0 and 1 through a real Checkpointer, then close it."""
-    model, opt = _model()
-    ckpt = hook.Checkpointer(model=model, optimizer=opt)
-    ckpt.restore()
-    for step in range(2):
-        _train(model, opt)
-        ckpt.save(step)
-    ckpt.close()
+__all__ = ["run_id", "supervisor"]  # fixtures (memory_support), used by name
 
 
 def test_tree_roundtrip_keeps_types() -> None:
@@ -203,27 +155,6 @@ def test_rng_states_are_captured_into_the_same_tensors() -> None:
     assert not torch.equal(second["torch"], generator)
     rng.restore({"python": [first["python"][0], python, None], "torch": generator})
     assert random.random() == drawn and torch.equal(torch.rand(3), sampled)
-
-
-def test_numpy_rng_state_is_kept_once_numpy_random_is_loaded() -> None:
-    """torch imports numpy but not numpy.random; numpy's global RNG is captured from the
-    moment something loads it, and restored exactly."""
-    code = """
-import sys
-from launcher import rng
-assert "numpy.random" not in sys.modules, "numpy.random loaded at start"
-assert "numpy" not in rng.capture({})
-import numpy
-numpy.random.seed(7)
-numpy.random.rand(3)
-state = rng.capture({})
-drawn = numpy.random.rand(2)
-assert not (numpy.random.rand(2) == drawn).all()
-rng.restore(state)
-assert (numpy.random.rand(2) == drawn).all()
-"""
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -423,6 +354,7 @@ def test_a_value_that_cannot_be_saved_fails_save_or_the_next_wait(
     ckpt.close()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_state_is_copied_into_pinned_slots_and_restored(
         supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -591,47 +523,6 @@ def test_inactive_outside_gemini_run(monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt.wait()
 
 
-_DIE_WITH_SEGMENTS = """
-import os, sys
-from launcher import memory
-from launcher.slots import SlotOwner
-owner = SlotOwner(run_id=sys.argv[1], host_id="h0", local_world_size=1)
-owner.allocate(0, 1 << 16)
-memory.create_segment(memory.heartbeat_name(owner.prefix), memory.HEARTBEAT_STRIDE)
-os._exit(0)  # like SIGKILL: no cleanup
-"""
-
-
-def test_adoption_and_clean_of_dead_owner(run_id: str) -> None:
-    subprocess.run([sys.executable, "-c", _DIE_WITH_SEGMENTS, run_id], check=True, timeout=60)
-    prefix = memory.segment_prefix(run_id, "h0")
-    left = memory.list_segments(prefix)
-    assert len(left) == 5  # two slots, their pins, the heartbeats (launcher.health), the owner
-    assert prefix in find_leftovers()
-    owner = SlotOwner(run_id=run_id, host_id="h0", local_world_size=1)  # adopts
-    assert prefix not in find_leftovers()  # live owner now
-    second = subprocess.run([sys.executable, "-c",
-                             "import sys; from launcher.slots import SlotOwner; "
-                             "SlotOwner(run_id=sys.argv[1], host_id='h0', local_world_size=1)",
-                             run_id], capture_output=True, text=True, timeout=60)
-    assert second.returncode != 0 and "already has a live supervisor" in second.stderr
-    owner._slots.clear()  # forget without unlinking, then die like a killed supervisor
-    os.unlink(memory.SHM_DIR / (prefix + "owner"))
-    held = sum((memory.SHM_DIR / n).stat().st_size for n in left if not n.endswith("owner"))
-    other = SlotOwner(run_id=run_id + "-next", host_id="h0", local_world_size=1)
-    try:
-        with pytest.raises(StorageError) as error:
-            other.check_capacity(0, memory.shm_free_bytes() + (1 << 30))
-    finally:
-        other.close()
-    said = re.search(r"available \((\d+) more are held by the segments of dead runs: "
-                     r"`gemini clean` frees them\)", str(error.value))
-    assert said and int(said.group(1)) >= held, error.value  # other dead runs may hold more
-    removed = clean()
-    assert sorted(removed[prefix]) == sorted(n for n in left if not n.endswith("owner"))
-    assert memory.list_segments(prefix) == []
-
-
 def test_saves_follow_tensors_that_move(supervisor: SlotServer) -> None:
     """Small tensors are copied from their addresses (memmove); a tensor that moves, is
     rewritten in place, changes its strides under the same address, is not contiguous,
@@ -686,44 +577,6 @@ def test_large_tensors_are_copied_and_hashed_in_chunks(supervisor: SlotServer,
     monkeypatch.setenv(contract.ENV_RESTORE_STEP, "0")
     hook.Checkpointer(model=restored).restore()
     assert torch.equal(restored.weight, big.weight) and torch.equal(restored.bias, big.bias)
-
-
-def test_inspect_command_reports_and_verifies(supervisor: SlotServer) -> None:
-    import json
-
-    from helpers import GEMINI, run
-
-    _save_two_steps()
-    run_id = supervisor.owner.run_id
-    done = run([*GEMINI, "inspect", "--run-id", run_id, "--json", "--tensors"])
-    report = json.loads(done.stdout)
-    assert done.returncode == 0 and report["schema"] == "gemini.inspect/v1"
-    slots = {s["step"]: s for s in report["slots"]}
-    assert set(slots) == {0, 1} and all(s["verified"] for s in slots.values())
-    assert "/model/0.weight" in [t["path"] for t in slots[1]["tensors"]]
-    # An empty file and a directory under slot names: each reported, none hides the rest.
-    empty = memory.shm_dir() / memory.slot_name(supervisor.owner.prefix, 7, 0)
-    folder = memory.shm_dir() / memory.slot_name(supervisor.owner.prefix, 7, 1)
-    empty.touch(mode=0o600)
-    folder.mkdir()
-    try:
-        done = run([*GEMINI, "inspect", "--run-id", run_id, "--json"])
-        report = json.loads(done.stdout)
-        assert done.returncode == 0, done.output
-        bad = [s for s in report["slots"] if s["rank"] == 7]
-        assert [s["slot"] for s in bad] == [0, 1] and all(s["error"] for s in bad)
-        assert {s["step"] for s in report["slots"] if s["rank"] != 7} == {0, 1}
-        assert run([*GEMINI, "inspect", "--run-id", run_id]).returncode == 0
-    finally:
-        empty.unlink()
-        folder.rmdir()
-    newest = memory.attach_segment(slots[1]["segment"])
-    newest.view[memory.HEADER_SIZE + 3] ^= 0x40
-    newest.close()
-    done = run([*GEMINI, "inspect", "--run-id", run_id, "--json"])
-    errors = {s["step"]: s["error"] for s in json.loads(done.stdout)["slots"]}
-    assert done.returncode == 5 and "checksum mismatch" in errors[1] and errors[0] is None
-    assert run([*GEMINI, "inspect", "--run-id", run_id]).returncode == 5
 
 
 @pytest.mark.parametrize("nbytes", [1, memory.COPY_CHUNK - 1, memory.COPY_CHUNK, 3 * memory.COPY_CHUNK + 5])
@@ -818,48 +671,6 @@ def test_sharded_state_outside_its_model_is_a_clear_error() -> None:
 
 
 # -- a hostile user on the same host ------------------------------------------------------
-def _as_other_user(*cmd: str) -> None:
-    """Run ``cmd`` as another user (nobody), as a neighbour on a shared host would."""
-    subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd],
-                   check=True, timeout=30)
-
-
-def test_names_taken_by_another_user_or_a_link_are_skipped(tmp_path: Any) -> None:
-    """Another user squats the private directory's name and plants a link under the
-    next one: gemini opens neither, writes nothing where the link points, and trains in
-    the next free name, a directory of its own, removed when the run ends."""
-    import shutil
-    import tempfile
-
-    from helpers import GEMINI, SCRIPTS, env_with, run
-
-    # where the other user can reach it (pytest's tmp_path is private to this one)
-    base = Path(tempfile.mkdtemp(prefix="gtest-hostile-",
-                                 dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    try:
-        os.chmod(base, 0o1777)  # as /dev/shm
-        uid = os.geteuid()
-        squatted = base / f"gemini-{uid}"
-        if uid == 0:
-            _as_other_user("mkdir", "-m", "0777", str(squatted))
-        else:  # without root: a directory of ours, but open to everyone
-            squatted.mkdir()
-            os.chmod(squatted, 0o777)
-        victim = tmp_path / "victim"
-        victim.write_bytes(b"precious")
-        (base / f"gemini-{uid}-1").symlink_to(victim)
-        done = run([*GEMINI, "run", "--nproc-per-node", "2", "--no-standby", "--max-restarts", "1",
-                    str(SCRIPTS / "train_ckpt.py"), "--steps", "6", "--kill", "1:3:step"],
-                   env=env_with(tmp_path, GEMINI_SHM_DIR=str(base)), timeout=180)
-        assert done.returncode == 0, done.output[-3000:]
-        assert "resume rank=1 start=4 attempt=1" in done.output, done.output[-3000:]
-        assert victim.read_bytes() == b"precious" and list(squatted.iterdir()) == []
-        assert "ignoring" in done.output and f"gemini-{uid}-2" not in done.output
-        assert not (base / f"gemini-{uid}-2").exists()  # used, then released at the end
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
 def test_an_unsafe_file_under_a_slot_name_is_left_alone(tmp_path: Any,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a slot's name: a link to another file, a hard link, a file of the wrong
@@ -889,54 +700,6 @@ def test_an_unsafe_file_under_a_slot_name_is_left_alone(tmp_path: Any,
     finally:
         owner.close()
     assert victim.read_bytes() == b"v" * 8192
-
-
-_ALLOC = """
-import json, os, socket, sys, time
-address = sys.argv[1]
-if sys.argv[2] == "orphan":  # the child is adopted by init: not a worker
-    parent = os.getpid()
-    if os.fork():
-        os._exit(0)
-    while os.getppid() == parent:
-        time.sleep(0.01)
-sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-sock.connect("\\0" + address[1:])
-try:
-    sock.sendall(json.dumps({"op": "alloc", "rank": int(sys.argv[3]), "nbytes": 1 << 40}).encode()
-                 + b"\\n")
-except BrokenPipeError:  # refused before the request was sent: the refusal is there to read
-    pass
-print(sock.makefile().readline(), flush=True)
-"""
-
-
-@pytest.mark.parametrize("who", ["other-user", "orphan", "wrong-rank"])
-def test_the_slot_socket_serves_only_this_supervisors_workers(supervisor: SlotServer,
-                                                              tmp_path: Any, who: str) -> None:
-    """Another user's process, a process of this user that is not one of the workers,
-    and a worker asking for a rank this host does not run: each is refused, nothing is
-    allocated, and the service never counts as failed."""
-    if who == "other-user" and os.geteuid() != 0:
-        pytest.skip("needs root to run a process as another user")
-    supervisor.ranks = frozenset({0})
-    cmd = [sys.executable, "-c", _ALLOC, supervisor.env_address,
-           "orphan" if who == "orphan" else "child", "7" if who == "wrong-rank" else "0"]
-    if who == "other-user":
-        cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd]
-    reader, writer = os.pipe()
-    subprocess.run(cmd, stdout=writer, timeout=60, check=True, cwd="/",
-                   env={**os.environ, "PYTHONPATH": ""})
-    os.close(writer)  # the orphan keeps its copy until it has answered
-    with os.fdopen(reader) as replies:
-        reply = json.loads(replies.readline())
-    assert reply["ok"] is False, reply
-    want = {"other-user": "uid 65534", "orphan": "not one of this supervisor's workers",
-            "wrong-rank": "rank 7 does not run on this host"}[who]
-    assert want in reply["error"], reply
-    assert supervisor.fatal is None
-    assert memory.list_segments(supervisor.owner.prefix) == [
-        n for n in memory.list_segments(supervisor.owner.prefix) if n.endswith("owner")]
 
 
 def test_pinned_slots_are_the_ones_holding_sstar_and_the_first_step_at_the_target() -> None:

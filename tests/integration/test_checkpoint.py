@@ -19,12 +19,14 @@ import psutil
 import pytest
 import torch
 from helpers import (
+    FAKE_NVML,
     GEMINI,
     SCRIPTS,
     env_with,
     events,
     free_port,
     kill_group,
+    poll,
     read_lines,
     run,
     start,
@@ -145,7 +147,7 @@ def test_lost_gpu_takes_the_host_out(tmp_path: Path) -> None:
     supervisor stops its workers, frees its memory and leaves with exit code 6."""
     lost = tmp_path / "lost"
     env = env_with(tmp_path, PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).parent / "fake_nvml"), os.environ.get("PYTHONPATH", "")]),
+        [str(FAKE_NVML), os.environ.get("PYTHONPATH", "")]),
         FAKE_NVML_LOST=str(lost))
     proc = start([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "3", TRAIN,
                   "--steps", "200", "--sleep", "0.1"], env=env)
@@ -167,14 +169,15 @@ def test_lost_gpu_takes_the_host_out(tmp_path: Path) -> None:
 
 
 def _wait_for(lines: list[str], pattern: str, timeout: float = 120) -> re.Match[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def found() -> re.Match[str] | None:
         for line in list(lines):
             match = re.search(pattern, line)
             if match:
                 return match
-        time.sleep(0.05)
-    raise AssertionError(f"no line matching {pattern!r}:\n{''.join(lines)[-3000:]}")
+        return None
+
+    return poll(found, timeout, f"a line matching {pattern!r}",
+                details=lambda: "".join(lines)[-3000:])
 
 
 def _workers(run_root: Path) -> list[psutil.Process]:

@@ -1,0 +1,63 @@
+"""The ``gemini plan`` command: replica placement and the recovery probability as it
+reports them. Placement itself is tested in tests/unit/test_placement.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import GEMINI, run
+
+from launcher.replication.placement import recovery_probability
+
+
+def test_cli_json() -> None:
+    done = run([*GEMINI, "plan", "--nodes", "5", "--replicas", "2", "--failures", "2",
+                "--state-bytes", "512MiB", "--json"], timeout=60)
+    assert done.returncode == 0, done.output
+    report = json.loads(done.stdout)
+    assert report["schema"] == "gemini.plan/v1"
+    assert (report["nodes"], report["replicas"], report["kind"]) == (5, 2, "mixed")
+    assert report["groups"] == [[0, 1], [2, 3, 4]]
+    assert report["holders"] == [[1], [0], [3], [4], [2]]
+    assert report["failures"] == 2
+    assert report["probability_exact"] == str(recovery_probability(5, 2, 2)) == "3/5"
+    assert report["probability"] == pytest.approx(0.6)  # lost: {0,1} and any 2 of the ring 2,3,4
+    assert report["memory_per_host_bytes"] == 4 * (512 << 20)  # 2 slots x (own, 1 peer)
+
+
+def test_cli_json_without_state_bytes() -> None:
+    done = run([*GEMINI, "plan", "--nodes", "16", "--json"], timeout=60)
+    assert done.returncode == 0, done.output
+    report = json.loads(done.stdout)
+    assert report["replicas"] == 2 and report["failures"] == 2
+    assert report["probability_exact"] == "14/15"
+    assert report["memory_per_host_bytes"] is None
+
+
+def test_cli_human() -> None:
+    done = run([*GEMINI, "plan", "--nodes", "16", "--replicas", "2", "--state-bytes", "2GiB"],
+               timeout=60)
+    assert done.returncode == 0, done.output
+    assert "93.3%" in done.stdout and "14/15" in done.stdout
+    assert "8.0 GiB" in done.stdout  # 2 slots x 2 copies x 2 GiB
+    assert "14 -> 15" in done.stdout and "group" in done.stdout
+    three = run([*GEMINI, "plan", "--nodes", "16", "--failures", "3"], timeout=60)
+    assert three.returncode == 0 and "80.0%" in three.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nodes", "0"], "nodes must be at least 1"),
+    (["--nodes", "4", "--replicas", "0"], "replicas must be at least 1"),
+    (["--nodes", "4", "--state-bytes", "bogus"], "'bogus' is not a size"),
+    (["--nodes", "4", "--failures", "-1"], "--failures"),
+    (["--nodes", "four"], "--nodes"),
+    ([], "--nodes"),
+])
+def test_cli_bad_input_one_line(args: list[str], message: str) -> None:
+    done = run([*GEMINI, "plan", *args], timeout=60)
+    assert done.returncode == 2, done.output
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("gemini: error:") and message in lines[0], lines[0]
+    assert done.stdout == ""

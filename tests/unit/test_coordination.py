@@ -1,0 +1,107 @@
+"""Coordination through the store, within one process: pruning, the replication secret,
+a host declared dead. The tests with real hosts (``gemini run``), etcd and heartbeats are
+in tests/integration/test_coordination.py.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from helpers import free_port
+
+
+def test_old_events_and_rendezvous_rounds_are_pruned(tmp_path: Path) -> None:
+    from launcher.coordination import prune_events
+    from launcher.rendezvous import prune_rounds
+    from launcher.store.embedded import EmbeddedStore
+
+    store = EmbeddedStore(tmp_path / "store.db")
+    try:
+        for i in range(30):
+            store.put(f"gemini/runs/r/events/{i:020d}-h0", b"{}")
+        assert prune_events(store, "gemini/runs/r/", keep=10) == 20
+        assert sorted(store.get_prefix("gemini/runs/r/events/")) == [
+            f"gemini/runs/r/events/{i:020d}-h0" for i in range(20, 30)]
+        kv = "gemini/rdzv/r/kv/torch.rendezvous.r."
+        for round_ in range(12):
+            for key in ("0", "1", "last_member"):
+                store.put(f"{kv}{round_}/{key}", b"x")
+        store.put("gemini/rdzv/r/state", b"s")
+        assert prune_rounds(store, "r", 11) == 30
+        left = store.get_prefix("gemini/rdzv/r/")
+        assert sorted({k[len(kv):].partition("/")[0] for k in left if k.startswith(kv)}) == [
+            "10", "11"]
+        assert "gemini/rdzv/r/state" in left
+    finally:
+        store.close()
+
+
+def test_the_replication_secret_lives_as_long_as_the_run(tmp_path: Path) -> None:
+    """The first host to ask makes the secret; it stays while any host of the run is
+    alive, and the last one to leave deletes it."""
+    from launcher.coordination import CoordinationService, secret_key
+    from launcher.replication.service import load_secret
+    from launcher.slots import SlotOwner
+    from launcher.store import open_store
+
+    url = f"embedded://{tmp_path / 'store.db'}"
+    run_id = f"secret-{tmp_path.name}"
+    hosts = []
+    for name in ("h0", "h1"):
+        store = open_store(url)
+        owner = SlotOwner(run_id=run_id, host_id=name, local_world_size=1)
+        hosts.append((CoordinationService(store, run_id=run_id, host_id=name, owner=owner,
+                                          ttl=2.0), owner, store))
+    first, second = (load_secret("", store, run_id) for _, _, store in hosts)
+    assert first == second and len(first) == 64
+    reader = open_store(url)
+    try:
+        for service, owner, _ in hosts:
+            assert reader.get(secret_key(run_id)) == first  # a host is still alive
+            service.close()
+            owner.close()
+        assert reader.get(secret_key(run_id)) is None
+    finally:
+        reader.close()
+
+
+def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Path) -> None:
+    """Three supervisors' coordination services on one store. h1 stops listening where
+    its replication server was (its supervisor died); h0 declares it dead: h1's lease is
+    revoked, and h2 counts it lost through its watch, well within the TTL. h2 still
+    listens: h0 leaves it alone."""
+    import socket
+
+    from launcher.coordination import CoordinationService
+    from launcher.slots import SlotOwner
+    from launcher.store import open_store
+
+    url = f"embedded://{tmp_path / 'store.db'}"
+    run_id = f"dead-{tmp_path.name}"
+    listening = socket.create_server(("127.0.0.1", 0))
+    hosts: dict[str, tuple[CoordinationService, SlotOwner]] = {}
+    try:
+        for name in ("h0", "h1", "h2"):
+            owner = SlotOwner(run_id=run_id, host_id=name, local_world_size=1)
+            hosts[name] = (CoordinationService(open_store(url), run_id=run_id, host_id=name,
+                                               owner=owner, ttl=30.0), owner)
+        gone = free_port()  # nothing listens there
+        for name, port in (("h1", gone), ("h2", listening.getsockname()[1])):
+            hosts[name][0].describe(state="running", replication=["127.0.0.1", port],
+                                    node=f"addr_{name}_0")
+        h0, h2 = hosts["h0"][0], hosts["h2"][0]
+        dead = h0.declare_dead(["h1", "h2"])
+        assert list(dead) == ["h1"] and str(gone) in dead["h1"], dead
+        assert h0.lost_hosts() == {"h1"} and h0.lost_nodes() == {"addr_h1_0"}
+        deadline = time.monotonic() + 10  # the TTL is 30 s
+        while h2.lost_hosts() != {"h1"}:
+            assert time.monotonic() < deadline, "h2 did not learn of h1's death"
+            time.sleep(0.05)
+        assert h2.lost_nodes() == {"addr_h1_0"}
+        assert h0.declare_dead(["h1", "h2"]) == {}  # already lost; h2 still listens
+    finally:
+        listening.close()
+        for service, owner in hosts.values():
+            service.close()
+            owner.close()
