@@ -9,10 +9,12 @@ from typing import Any, NoReturn
 
 import click
 
+from launcher.config import DEFAULT_RUN_ROOT
+
 _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--run-root", "--run_root"), "run_root",
      "Directory holding one directory per run (events, state).  "
-     "[default: ~/.local/state/gemini/runs]"),
+     f"[default: {DEFAULT_RUN_ROOT}]"),
     (("--store",), "store",
      "Coordination store: etcd://HOST:PORT[,HOST:PORT...] or embedded:///PATH.  "
      "[default: embedded, next to the run root]"),

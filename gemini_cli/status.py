@@ -30,13 +30,13 @@ def status_command(store_url: str | None, run_id: str | None, as_json: bool,
 
     Exit code 0; 3 when the store is unreachable; 2 when the run is unknown.
     """
-    from launcher.config import default_store_url, env_values
+    from launcher.config import DEFAULT_RUN_ROOT, default_store_url, env_values
     from launcher.coordination import list_runs, read_status
     from launcher.errors import UsageError
     from launcher.store import EtcdCredentials, open_store
 
     url = store_url or os.environ.get("GEMINI_STORE") or default_store_url(
-        os.environ.get("GEMINI_RUN_ROOT", "~/.local/state/gemini/runs"))
+        os.environ.get("GEMINI_RUN_ROOT", DEFAULT_RUN_ROOT))
     credentials = EtcdCredentials.from_values(env_values(os.environ), prefix="store_")
     store = open_store(url, credentials=credentials)
     try:

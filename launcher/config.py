@@ -38,6 +38,9 @@ _FALSE = frozenset({"0", "false", "no", "off", ""})
 DAY = 86400.0  # the longest timeout a flag may ask for; also rules out inf and nan
 
 
+#: Where each run gets a directory for its events and state, unless told otherwise.
+DEFAULT_RUN_ROOT = "~/.local/state/gemini/runs"
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything ``gemini run`` needs besides the training command itself.
@@ -109,8 +112,7 @@ class RunConfig:
     """Give every worker LOCAL_RANK=0 and restrict its visible devices to one."""
 
     # --- gemini's own -------------------------------------------------------------------
-    run_root: str = dataclasses.field(default="~/.local/state/gemini/runs",
-                                      metadata={"gemini": True})
+    run_root: str = dataclasses.field(default=DEFAULT_RUN_ROOT, metadata={"gemini": True})
     """Directory under which each run gets a directory for its events and state."""
     store: str = dataclasses.field(default="", metadata={"gemini": True})
     """Coordination store: ``etcd://HOST:PORT[,HOST:PORT...]`` or ``embedded:///PATH``
