@@ -129,8 +129,9 @@ def _define_agent(base: type) -> type:
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.utils.store import _NUM_MEMBERS
 
-    _EXIT_MEMBERS = _EXIT_BARRIER + _NUM_MEMBERS  # hosts counted into the exit barrier
-    _RESTARTING = _EXIT_BARRIER + "/gemini_restarting"  # hosts that restarted instead
+    # Constants of the agent class below, defined here where torch is imported.
+    _EXIT_MEMBERS = _EXIT_BARRIER + _NUM_MEMBERS  # noqa: N806 (hosts in the exit barrier)
+    _RESTARTING = _EXIT_BARRIER + "/gemini_restarting"  # noqa: N806 (hosts that restarted)
 
     def _min_nodes(worker_group: WorkerGroup) -> int:
         settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
