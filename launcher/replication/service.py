@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from launcher import memory
 from launcher.coordination import secret_key
@@ -43,10 +43,33 @@ from launcher.errors import ConfigError, ReplicationError, StoreError
 from launcher.events import EventLog
 from launcher.priority import IdleGate, lower_priority
 from launcher.replication import placement, progress, transport
-from launcher.slots import SlotOwner
 from launcher.store import Store
 
 logger = logging.getLogger(__name__)
+
+
+class SlotKeeper(transport.SlotSource, Protocol):
+    """What replication reads and writes of a host's slots (``launcher.slots.SlotOwner``),
+    besides what the transport's server needs."""
+
+    copies: int
+    """Copies of each rank's state the host keeps (its own and its peers' replicas)."""
+
+    def segments(self, *, replica: bool = False) -> dict[int, list[memory.Segment]]:
+        """The host's own slots by rank (or, with ``replica``, its peers' it keeps)."""
+        ...
+
+    def pin_own(self, rank: int, sstar: int, target: int) -> None:
+        """Keep the own slots holding ``sstar`` and ``target`` of ``rank``."""
+        ...
+
+    def seen(self, rank: int) -> int:
+        """The step of the newest save() of ``rank``, kept or skipped (-1: none)."""
+        ...
+
+    def forget_seen(self) -> None:
+        """Forget the steps :meth:`seen` reports (a new round)."""
+        ...
 
 PACED_NICE = 10  # with pacing, training threads get ~10x the CPU share of replication's
 PACE_SHARE = 0.8  # fraction of an iteration over which one snapshot is spread
@@ -118,7 +141,7 @@ def advertised_host(bind_host: str, local_addr: str | None) -> str:
 class ReplicationService:
     """Owns the transport server and the sender thread of one supervisor."""
 
-    def __init__(self, owner: SlotOwner, events: EventLog, store: Store, *, run_id: str,
+    def __init__(self, owner: SlotKeeper, events: EventLog, store: Store, *, run_id: str,
                  replicas: int, secret: bytes, bind: tuple[str, int], advertise: str,
                  pace: bool = True, every: int = 0, rate_limit: float = 0.0) -> None:
         self.owner = owner
