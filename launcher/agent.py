@@ -42,8 +42,9 @@ if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 
-    from launcher.slots import MemoryService, SlotOwner
+    from launcher.slots import SlotOwner
     from launcher.store import Store as GeminiStore
+    from launcher.tiers import MemoryService
 
 logger = logging.getLogger(__name__)
 
@@ -859,7 +860,7 @@ def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, eve
                     store: GeminiStore) -> MemoryService:
     """The memory tier, with replication to peer hosts when the job may have several and
     the persistent tier when a directory is given."""
-    from launcher.slots import MemoryService
+    from launcher.tiers import MemoryService
 
     replication = persist = None
     if config.replicas > 1 and launch_config.max_nodes > 1:

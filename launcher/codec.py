@@ -12,6 +12,7 @@ import base64
 import collections
 import itertools
 import json
+import math
 import sys
 from typing import Any
 
@@ -268,3 +269,124 @@ def clone_tensors(obj: Any, owned: frozenset[int] = frozenset()) -> Any:
     if isinstance(obj, tuple):
         return tuple(clone_tensors(v, owned) for v in obj)
     return obj
+
+
+def _dtensor_nodes(tree: Any) -> list[dict[str, Any]]:
+    """The DTensor nodes of a skeleton."""
+    found, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "__dtensor__" in node:
+                found.append(node)
+            else:
+                stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return found
+
+
+def _shard_box(node: dict[str, Any], mesh_shape: list[int], coordinate: list[int]
+               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The local shape and global offset of the shard at ``coordinate`` of a mesh of
+    ``mesh_shape`` (torch's own arithmetic, uneven splits included)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    placements: list[Any] = []
+    for kind, *args in node["placements"]:
+        if kind == "Shard":
+            placements.append(Shard(args[0]))
+        elif kind == "Replicate":
+            placements.append(Replicate())
+        else:  # a pending reduction, or a strided shard (FSDP2 over tensor parallelism)
+            raise CheckpointError(f"a DTensor placed as {kind} ({Partial.__name__} sums and "
+                                  "strided shards cannot be resharded)")
+    shape, offset = _compute_local_shape_and_global_offset(
+        tuple(node["shape"]), tuple(mesh_shape), list(coordinate), placements)
+    return tuple(shape), tuple(offset)
+
+
+def _coordinate(mesh: list[Any], rank: int, at: tuple[int, ...] = ()) -> list[int] | None:
+    """Where ``rank`` sits in a mesh given as nested lists of ranks."""
+    for i, item in enumerate(mesh):
+        if isinstance(item, list):
+            found = _coordinate(item, rank, (*at, i))
+            if found is not None:
+                return found
+        elif item == rank:
+            return [*at, i]
+    return None
+
+
+def reshard(copies: list[tuple[int, Any, dict[str, Any]]], template: int,
+            meshes: dict[str, Any]) -> dict[str, Any]:
+    """The state tree of this rank after the job changed its number of ranks, from the
+    committed copies of every rank of the world that wrote them (``copies``: (old rank,
+    buffer, metadata)). Each DTensor (Shard and Replicate placements) gets this rank's
+    shard on the live mesh of the same dimensions, assembled from the parts of the old
+    shards that overlap it; everything else (plain tensors, RNG, ``extra``) comes from
+    the copy of old rank ``template``. The result's tensors own their memory where they
+    were assembled and alias the buffers elsewhere (the caller copies them)."""
+    import copy
+
+    _, template_buf, template_meta = next(c for c in copies if c[0] == template)
+    tensors = [slot_tensor(template_buf, entry) for entry in template_meta["tensors"]]
+    olds = []
+    for rank, buf, meta in copies:
+        paths = {meta["tensors"][n["__dtensor__"]]["path"]: n for n in _dtensor_nodes(meta["tree"])}
+        olds.append((rank, buf, meta, paths))
+    tree = copy.deepcopy(template_meta["tree"])
+    for node in _dtensor_nodes(tree):
+        index = node["__dtensor__"]
+        path = template_meta["tensors"][index]["path"]
+        saved = json.loads(node["mesh"])  # [device type, ranks as nested lists, dim names]
+        live = [m for key, m in meshes.items() if json.loads(key)[2] == saved[2]
+                and m.ndim == len(_mesh_shape(saved[1]))]
+        if len(live) != 1:
+            raise CheckpointError(f"{path}: no single live device mesh like the one it was "
+                                  "saved on to reshard it onto")
+        mesh = live[0]
+        coordinate = mesh.get_coordinate()
+        if coordinate is None:
+            raise CheckpointError(f"{path}: this rank is not on the live device mesh")
+        shape, offset = _shard_box(node, list(mesh.shape), coordinate)
+        local = torch.empty(shape, dtype=tensors[index].dtype)
+        filled, done = 0, set()
+        for rank, buf, meta, paths in olds:
+            old = paths.get(path)
+            if old is None:
+                raise CheckpointError(f"{path}: rank {rank}'s copy does not hold it")
+            old_mesh = json.loads(old["mesh"])[1]
+            where = _coordinate(old_mesh, rank)
+            if where is None:
+                continue  # not on that mesh: it holds no shard of this tensor
+            old_shape, old_offset = _shard_box(old, list(_mesh_shape(old_mesh)), where)
+            if (old_shape, old_offset) in done:
+                continue  # a replica of a shard already copied
+            done.add((old_shape, old_offset))
+            lo = [max(a, b) for a, b in zip(offset, old_offset, strict=True)]
+            hi = [min(a + n, b + m) for a, n, b, m in
+                  zip(offset, shape, old_offset, old_shape, strict=True)]
+            if any(h <= low for low, h in zip(lo, hi, strict=True)):
+                continue
+            src = slot_tensor(buf, meta["tensors"][old["__dtensor__"]])
+            dst_index = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
+            src_index = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, old_offset, strict=True))
+            local[dst_index] = src[src_index]
+            filled += math.prod(h - low for low, h in zip(lo, hi, strict=True))
+        if filled != local.numel():
+            raise CheckpointError(f"{path}: the old shards cover {filled} of the "
+                                  f"{local.numel()} elements of this rank's shard")
+        tensors[index] = local
+        node["mesh"] = _mesh_key(mesh)
+    return unflatten(tree, tensors, meshes)  # type: ignore[no-any-return]
+
+
+def _mesh_shape(nested: Any) -> tuple[int, ...]:
+    """The shape of a mesh given as nested lists."""
+    shape = []
+    while isinstance(nested, list):
+        shape.append(len(nested))
+        nested = nested[0] if nested else None
+    return tuple(shape)

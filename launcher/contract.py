@@ -20,6 +20,10 @@ ENV_RESTORE_STEP = "GEMINI_RESTORE_STEP"
 ENV_RESTORE_VERIFIED = "GEMINI_RESTORE_VERIFIED"
 """``rank:seq,...``: the slots holding the restore step that the supervisor has just
 verified; a worker whose slot still has that seq need not hash it again."""
+ENV_RESTORE_RESHARD = "GEMINI_RESTORE_RESHARD"
+"""The world size the restore step was written with when the job since shrank or grew and
+its state is sharded (DTensors): each rank assembles its shard from the copies of all of
+that world's ranks on its host. 0: no resharding."""
 ENV_HEARTBEAT = "GEMINI_HEARTBEAT"
 """The segment of per-local-rank progress counters the worker bumps."""
 ENV_SHM_DIR = "GEMINI_SHM_DIR"

@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from launcher.codec import (
     encode,
     is_dtensor,
     live_meshes,
+    reshard,
     slot_tensor,
     tensor_bytes,
     unflatten,
@@ -53,6 +55,7 @@ from launcher.codec import (
 from launcher.contract import (
     ENV_HEARTBEAT,
     ENV_PREFIX,
+    ENV_RESTORE_RESHARD,
     ENV_RESTORE_STEP,
     ENV_SOCKET,
     ENV_SUPERVISOR_PID,
@@ -207,6 +210,17 @@ class Checkpointer:
             seq = self._request({"op": "await", "rank": self.rank}).get("seq")
             verified = verified if seq is None else int(seq)
         self._attach_existing()
+        reshard_from = int(os.environ.get(ENV_RESTORE_RESHARD, "0") or 0)
+        if step >= 0 and reshard_from:
+            self._load_resharded(step, reshard_from)
+            self._discard_newer_than(step)
+            # The own slots hold the old world's copies: the next save goes to the slot
+            # the supervisor lets grow, not to the one with the newest of them.
+            committed = [(h.step, h.seq, i) for i, seg in enumerate(self._segments)
+                         if seg is not None and (h := memory.read_header(seg.view)) is not None
+                         and h.state is memory.SlotState.COMMITTED]
+            self._newest = max(committed)[2] if committed else None
+            return step + 1
         if step < 0 and all(segment is None for segment in self._segments):
             # Fail before training, not at the first save, if /dev/shm is too small; then
             # reserve and pre-fault both slots in the background, so that the first save
@@ -376,13 +390,61 @@ class Checkpointer:
         its tensors (by index), used instead of copying them again."""
         tensors = [prefetched[i] if i in prefetched else slot_tensor(segment.view, entry)
                    for i, entry in enumerate(meta["tensors"])]
-        owned = frozenset(map(id, prefetched.values()))
+        self._apply(lambda: unflatten(meta["tree"], tensors, self._live_meshes()), step,
+                    frozenset(map(id, prefetched.values())))
+
+    def _live_meshes(self) -> dict[str, Any]:
+        return live_meshes(
+            [*self.model.parameters(), *self.model.buffers()] if self.model is not None else [],
+            [g["params"] for g in self.optimizer.param_groups]
+            if self.optimizer is not None else [])
+
+    def _load_resharded(self, step: int, world: int) -> None:
+        """Load ``step`` written by a world of ``world`` ranks into this rank's shards:
+        from the committed copies of every old rank on this host (own slots or replicas,
+        as the supervisor brought them in), each verified."""
+        copies: list[tuple[int, memory.Segment, dict[str, Any]]] = []
         try:
-            state = unflatten(meta["tree"], tensors, live_meshes(
-                [*self.model.parameters(), *self.model.buffers()]
-                if self.model is not None else [],
-                [g["params"] for g in self.optimizer.param_groups]
-                if self.optimizer is not None else []))
+            for old in range(world):
+                segment = self._old_copy(old, step, world)
+                header = memory.read_header(segment.view)
+                assert header is not None
+                meta = memory.read_meta(segment.view, header)
+                memory.verify(segment.view, header, meta)
+                copies.append((old, segment, meta))
+            self._apply(lambda: reshard([(r, seg.view, m) for r, seg, m in copies],
+                                        self.rank % world, self._live_meshes()), step)
+        finally:
+            for _, segment, _ in copies:
+                try:
+                    segment.close()
+                except BufferError:  # a view of it is still referenced: unmapped at exit
+                    pass
+
+    def _old_copy(self, rank: int, step: int, world: int) -> memory.Segment:
+        """A committed slot on this host holding ``step`` of ``rank`` of a world of
+        ``world`` ranks."""
+        for replica in (False, True):
+            for index in range(2):
+                name = memory.slot_name(self._prefix, rank, index, replica=replica)
+                if not (memory.SHM_DIR / name).exists():
+                    continue
+                segment = memory.attach_segment(name, populate=False)
+                header = memory.read_header(segment.view)
+                if (header is not None and header.state is memory.SlotState.COMMITTED
+                        and header.step == step and header.rank == rank
+                        and header.world_size == world):
+                    return segment
+                segment.close()
+        raise CheckpointError(f"rank {self.rank}: no copy of step {step} of rank {rank} "
+                              f"(of {world}) on this host to reshard from")
+
+    def _apply(self, decode: Callable[[], dict[str, Any]], step: int,
+               owned: frozenset[int] = frozenset()) -> None:
+        """Put the state ``decode()`` returns into the model, optimizer, ``extra`` and RNG;
+        tensors whose id is in ``owned`` are private copies already."""
+        try:
+            state = decode()
             if self.model is not None:
                 if "model" not in state:
                     raise CheckpointError("it holds no model state")
@@ -549,9 +611,10 @@ class Checkpointer:
                            for record in layout.records)
         block = {"offset": layout.block[0], "nbytes": layout.block[1] - layout.block[0],
                  "xxh3": f"{block_digest:016x}"}
-        replicated = self.replicated if self.replicated is not None else (
-            '"__dtensor__"' not in tree)
+        sharded = '"__dtensor__"' in tree
+        replicated = self.replicated if self.replicated is not None else not sharded
         meta = (f'{{"step":{step},"replicated":{"true" if replicated else "false"},'
+                f'"sharded":{"true" if sharded else "false"},'
                 f'"tensors":[{records}],"blocks":[{json.dumps(block)}],"tree":' + tree + "}"
                 ).encode()
         self._seq += 1

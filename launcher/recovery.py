@@ -60,6 +60,10 @@ class RestorePlan:
     (it shrank or grew: :func:`plan_resized`); None: the same."""
     origin: dict[int, int] = field(default_factory=dict)
     """With ``world_size``: the rank of that world whose copy each rank restores."""
+    reshard: bool = False
+    """With ``world_size``: the state is sharded (DTensors), and every rank assembles its
+    shard from the copies of all of that world's ranks; ``sources`` then lists, per rank
+    of that world, where this host gets its copy (:func:`plan_resharded`)."""
 
 
 def plan_restore(available: Mapping[int, Mapping[int, Collection[Source]]],
@@ -147,4 +151,31 @@ def plan_resized(reports: Mapping[int, Mapping[str, Any]], world_size: int) -> R
         if plan.step is not None and (best.step is None or plan.step > best.step):
             best = RestorePlan(plan.step, plan.sources, world_size=world,
                                origin={rank: rank % world for rank in range(world_size)})
+    return best
+
+
+def plan_resharded(reports: Mapping[int, Mapping[str, Any]], world_size: int,
+                   node: int) -> RestorePlan:
+    """The newest step that ``world_size`` ranks can restore from sharded state (DTensors:
+    FSDP2, tensor parallelism) written while the job ran with another number of ranks
+    ``W``: every host brings in the copy of step ``s`` of each of the ``W`` old ranks, and
+    each new rank assembles its own shard from them. ``reports[n]["reshardable"][W][rank]``
+    lists the verified steps node ``n`` holds (own or replica slots). The plan is
+    ``node``'s: per old rank, MEMORY when ``node`` holds the copy, else the peers that do,
+    lowest node first."""
+    best = RestorePlan(None)
+    worlds = {int(w) for report in reports.values() for w in report.get("reshardable") or {}}
+    for world in sorted(worlds - {world_size}):
+        holders: dict[int, dict[int, list[int]]] = {}  # old rank -> step -> nodes
+        for peer, report in sorted(reports.items()):
+            for rank, steps in ((report.get("reshardable") or {}).get(str(world)) or {}).items():
+                for step in steps:
+                    holders.setdefault(int(rank), {}).setdefault(int(step), []).append(peer)
+        step = choose_step({rank: list(steps) for rank, steps in holders.items()}, world)
+        if step is None or (best.step is not None and step <= best.step):
+            continue
+        sources = {rank: [Source(Tier.MEMORY)] if node in holders[rank][step]
+                   else [Source(Tier.PEER, peer) for peer in holders[rank][step]]
+                   for rank in range(world)}
+        best = RestorePlan(step, sources, world_size=world, reshard=True)
     return best

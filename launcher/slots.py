@@ -14,37 +14,21 @@ import logging
 import os
 import socket
 import struct
-import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from launcher import memory
-from launcher.contract import ENV_PREFIX, ENV_RESTORE_STEP, ENV_RESTORE_VERIFIED, ENV_SOCKET
-from launcher.errors import CheckpointError, GeminiError, ReplicationError, StorageError
-from launcher.events import EventLog
-from launcher.recovery import (
-    RestorePlan,
-    Source,
-    Tier,
-    explain_incomplete,
-    gather_sources,
-    plan_resized,
-    plan_restore,
-)
+from launcher.errors import CheckpointError, StorageError
 
 if TYPE_CHECKING:
-    from torch.distributed.distributed_c10d import Store
-    from torch.distributed.elastic.agent.server.api import WorkerGroup
 
-    from launcher.persist import PersistWriter
-    from launcher.replication.service import ReplicationService
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -432,12 +416,14 @@ class SlotOwner:
             return found
 
 
-    def resizable(self, world_size: int) -> dict[int, dict[int, list[int]]]:
+    def resizable(self, world_size: int, *, sharded: bool = False
+                  ) -> dict[int, dict[int, list[int]]]:
         """Verified committed steps written by a world of another size than
         ``world_size``, of state that every data-parallel rank holds whole (the slot's
-        metadata says ``replicated``), per world size and rank, from this host's own and
-        replica slots: what a job that shrank or grew may restore (see
-        ``recovery.plan_resized``)."""
+        metadata says ``replicated``), or with ``sharded`` of state sharded as DTensors
+        (it says ``sharded``), per world size and rank, from this host's own and replica
+        slots: what a job that shrank or grew may restore (see ``recovery.plan_resized``
+        and ``recovery.plan_resharded``)."""
         with self._lock:
             segments = [seg for pairs in (self._slots, self._replicas) for pair in pairs.values()
                         for seg in pair if seg is not None
@@ -452,7 +438,7 @@ class SlotOwner:
         for info in infos:
             header = info.header
             if (info.valid_step is None or header is None or header.rank != info.rank
-                    or not (info.meta or {}).get("replicated")):
+                    or not (info.meta or {}).get("sharded" if sharded else "replicated")):
                 continue
             found.setdefault(header.world_size, {}).setdefault(header.rank, set()).add(
                 info.valid_step)
@@ -553,199 +539,6 @@ class SlotServer:
         except OSError:
             pass
         self._sock.close()
-
-
-
-
-class MemoryService:
-    """The supervisor service of the checkpoint tiers (see ``agent.SupervisorService``).
-
-    Before each round it gathers, from every host through the round's store, which steps
-    each rank holds in each tier (own memory, peers' replicas, persistent files), picks
-    the newest step complete for all ranks (``launcher.recovery``), brings every copy
-    that is not already in this host's memory into it (pulled from a peer or loaded from
-    a file, verified), and tells its workers the step through ``GEMINI_RESTORE_STEP``.
-    """
-
-    def __init__(self, owner: SlotOwner, events: EventLog, *,
-                 replication: ReplicationService | None = None,
-                 persist: PersistWriter | None = None) -> None:
-        self.owner = owner
-        self.server = SlotServer(owner)
-        self.server.arrival = self._arrival
-        self._arrivals: dict[int, Future[int | None]] = {}  # rank -> its restore, on its way
-        self._pulling: threading.Thread | None = None
-        self.events = events
-        self.replication = replication
-        self.persist = persist
-        os.environ[ENV_SOCKET] = self.server.env_address
-        os.environ[ENV_PREFIX] = self.owner.prefix
-
-    def _arrival(self, rank: int) -> int | None:
-        """Wait until ``rank``'s restore step is in this host's memory (the slot server's
-        ``await``); the seq of its verified slot, or None."""
-        arrival = self._arrivals.get(rank)
-        return None if arrival is None else arrival.result()
-
-    def before_start(self, group: WorkerGroup, store: Store) -> None:
-        started = time.monotonic()
-        if self._pulling is not None:  # the last round's transfers end before this one's
-            self._pulling.join()
-            self._pulling = None
-        if self.replication is not None:
-            self.replication.pause()
-        ranks = [w.global_rank for w in group.workers]
-        self.server.ranks = frozenset(ranks)
-        world_size = group.workers[0].world_size if group.workers else 0
-        node, nodes = group.group_rank or 0, group.group_world_size or 1
-        report: dict[str, Any] = {
-            "local": self.owner.holdings(ranks, world_size),
-            "replicas": self.owner.holdings(None, world_size, replica=True)
-            if self.replication is not None else {},
-            "persist": {rank: steps for rank, steps in self.persist.scan().items()
-                        if rank in ranks} if self.persist is not None else {},
-            "address": list(self.replication.address) if self.replication is not None else None,
-            "ranks": ranks,
-            "resizable": self.owner.resizable(world_size),
-        }
-        if node == 0 and self.replication is not None:
-            store.set("replication_round", uuid.uuid4().hex)
-        store.set(f"holdings/{node}", json.dumps(report))
-        reports = {peer: json.loads(store.get(f"holdings/{peer}")) for peer in range(nodes)}
-        available = gather_sources(reports)
-        plan = plan_restore(available, world_size)
-        resized = plan_resized(reports, world_size)
-        if resized.step is not None and (plan.step is None or resized.step > plan.step):
-            plan = resized  # the job shrank or grew: every rank takes a whole copy
-        if plan.step is None and available:
-            why = explain_incomplete(available, world_size)
-            logger.warning("no step is complete for every rank in any tier, so the job starts "
-                           "from step 0: %s", why)
-            self.events.write("restore_incomplete", why=why,
-                              reports={str(k): v for k, v in reports.items()})
-        scanned = time.monotonic()
-        restore = -1 if plan.step is None else plan.step
-        self.owner.discard_newer_than(restore)
-        self.owner.reset_pins(restore)  # kept until this round's first s*
-        if self.persist is not None:
-            self.persist.rewind(restore)  # later files belong to the abandoned attempt
-        # Copies in this host's memory are brought in now; pulls from peers and loads from
-        # files go on while the workers start (each worker's restore awaits its own rank).
-        here = [r for r in ranks if (sources := plan.sources.get(r)) and sources[0].tier is Tier.MEMORY]
-        used = self._bring_in(plan, here, reports)
-        os.environ[ENV_RESTORE_STEP] = str(restore)
-        os.environ[ENV_RESTORE_VERIFIED] = ",".join(
-            f"{rank}:{seq}" for rank, seq in self._verified(here, restore).items())
-        if plan.world_size is not None:
-            print(f"gemini: the job now has {world_size} ranks instead of {plan.world_size}: "
-                  f"each rank resumes step {plan.step} from a whole copy of the state (rank r "
-                  f"from rank r % {plan.world_size})", file=sys.stderr, flush=True)
-        arrivals: dict[int, Future[int | None]] = {
-            rank: Future() for rank in ranks if rank not in used and plan.step is not None}
-        self._arrivals = arrivals
-
-        def bring_in_the_rest() -> None:
-            for rank, arrival in arrivals.items():
-                try:
-                    used.update(self._bring_in(plan, [rank], reports))
-                    arrival.set_result(self._verified([rank], restore).get(rank))
-                except Exception as exc:  # the worker's restore fails with it, and says why
-                    arrival.set_exception(CheckpointError(f"rank {rank}: step {restore} could "
-                                                          f"not be brought in: {exc}"))
-            self.events.write("restore_plan", step=plan.step, local=report["local"],
-                              world_size=world_size, from_world_size=plan.world_size,
-                              replicas=report["replicas"], persist=report["persist"],
-                              sources={str(rank): used[rank] for rank in sorted(used)},
-                              scan_seconds=round(scanned - started, 4),
-                              transfer_seconds=round(time.monotonic() - scanned, 4))
-
-        if arrivals:
-            self._pulling = threading.Thread(target=bring_in_the_rest, name="gemini-restore",
-                                             daemon=True)
-            self._pulling.start()
-        else:
-            bring_in_the_rest()
-        if self.replication is not None:
-            addresses = {peer: (str(r["address"][0]), int(r["address"][1]))
-                         for peer, r in reports.items() if r.get("address")}
-            round_id = store.get("replication_round").decode()
-            self.replication.set_round(node, nodes, addresses, round_id=round_id,
-                                       restored=restore)
-
-    def _verified(self, ranks: list[int], step: int) -> dict[int, int]:
-        """The seq of each rank's own slot holding ``step``: every such slot was verified
-        in this round, by the scan or when it was pulled or loaded."""
-        found = {}
-        own = self.owner.segments()
-        for rank in ranks if step >= 0 else []:
-            segment = self.owner.find(rank, step)  # own slots first, then replicas
-            header = memory.read_header(segment.view) if segment is not None else None
-            if header is not None and segment in own.get(rank, []):
-                found[rank] = header.seq
-        return found
-
-    def _bring_in(self, plan: RestorePlan, ranks: list[int],
-                  reports: dict[int, dict[str, Any]]) -> dict[int, str]:
-        """Make this host's memory hold ``plan.step`` for each of ``ranks``; return the
-        tier each one came from."""
-        used: dict[int, str] = {}
-        if plan.step is None:
-            return used
-        for rank in ranks:
-            errors = []
-            for source in plan.sources.get(rank, []):
-                try:
-                    self._fetch(rank, plan.step, source, reports, plan.origin.get(rank, rank))
-                except GeminiError as exc:
-                    errors.append(f"{source.tier.name.lower()}: {exc}")
-                    logger.warning("rank %d step %d from %s failed: %s", rank, plan.step,
-                                   source, exc)
-                    continue
-                used[rank] = source.tier.name.lower()
-                break
-            else:
-                raise CheckpointError(f"rank {rank}: no copy of step {plan.step} could be "
-                                      f"restored ({'; '.join(errors) or 'none found'})")
-        return used
-
-    def _fetch(self, rank: int, step: int, source: Source,
-               reports: dict[int, dict[str, Any]], origin: int) -> None:
-        """Bring ``step`` of rank ``origin`` (``rank`` itself, unless the job was resized)
-        from ``source`` into an own slot of ``rank``."""
-        if source.tier is Tier.MEMORY:
-            self.owner.restore_local(rank, step, source=origin)  # unless already there
-            return  # the worker verifies it again
-        if source.tier is Tier.PEER:
-            address = reports[source.node].get("address")
-            if self.replication is None or not address:
-                raise ReplicationError(f"node {source.node} has no replication address")
-            self.replication.pull((str(address[0]), int(address[1])), origin, step, into=rank)
-            return
-        if self.persist is None:
-            raise CheckpointError("no persistent tier configured")
-        self.persist.load(rank, step, lambda n: self.owner.write_target(rank, n, replica=False))
-
-    def after_start(self, group: WorkerGroup) -> None:
-        pids = [int(w.id) for w in group.workers if w.id is not None]
-        if self.replication is not None:
-            self.replication.watch_workers(pids)
-        if self.persist is not None:
-            self.persist.watch_workers(pids)
-
-    def after_stop(self, group: WorkerGroup) -> None:
-        pass
-
-    def check(self) -> None:
-        if self.server.fatal is not None:
-            raise self.server.fatal
-
-    def close(self) -> None:
-        if self.persist is not None:
-            self.persist.close()
-        if self.replication is not None:
-            self.replication.close()
-        self.server.close()
-        self.owner.close()
 
 
 def _foreign_peer(conn: socket.socket) -> str | None:

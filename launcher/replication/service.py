@@ -230,15 +230,15 @@ class ReplicationService:
                                 timeout=timeout)
 
     def pull(self, address: tuple[str, int], rank: int, step: int, *,
-             into: int | None = None) -> memory.SlotHeader:
+             into: int | None = None, replica: bool = False) -> memory.SlotHeader:
         """Fetch ``rank``'s committed ``step`` from the peer at ``address`` into one of
-        this host's own slots of that rank, or of rank ``into`` (verified and committed
-        there)."""
+        this host's own slots of that rank, or of rank ``into``, or with ``replica`` into
+        a replica slot of ``rank`` (verified and committed there)."""
         own = rank if into is None else into
         client = self.client(address)
         try:
-            return client.pull(rank, step,
-                               lambda nbytes: self.owner.write_target(own, nbytes, replica=False))
+            return client.pull(rank, step, lambda nbytes: self.owner.write_target(
+                own, nbytes, replica=replica))
         finally:
             client.close()
 

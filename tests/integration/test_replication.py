@@ -354,3 +354,51 @@ def _chained_reference(tmp: Path, phases: list[tuple[int, int]]) -> dict:
         assert done.returncode == 0, done.output[-3000:]
         previous = str(out)
     return torch.load(previous)
+
+
+def test_an_fsdp2_job_without_a_spare_reshards_onto_the_survivors(tmp_path: Path) -> None:
+    """FSDP2 (DTensor shards, gloo), ``--nnodes 1:2``, two hosts of two workers, no spare:
+    the host in node slot 1 is killed and the survivor goes on at once as a world of 2.
+    Its ranks assemble their shards of the restore step from the four old ranks' copies
+    (two in its own slots, two in the replicas it kept of the lost host): the full state
+    right after the restore equals, bit for bit, the full state the world of 4 saved at
+    that step, and the job finishes."""
+    hosts: list[Host] = []
+    by = time.monotonic() + RUN_BUDGET
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    with EtcdServer() as etcd:
+        argv = [*GEMINI, "run", "--nnodes", "1:2", "--nproc-per-node", "2",
+                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                "--rdzv-id", "reshard", "--rdzv-conf", "last_call_timeout=1",
+                "--store", etcd.url, "--max-restarts", "3", "--replication-addr", "127.0.0.1",
+                "--no-standby", str(SCRIPTS / "train_fsdp.py"), "--steps", "40",
+                "--sleep", "0.1", "--dump", str(dumps)]
+        try:
+            hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
+            wait_for(lambda: len(_slots(tmp_path)) == 2, 120, "both hosts in the rendezvous",
+                     hosts, by)
+            by_slot = {slot: name for name, slot in _slots(tmp_path).items()}
+            rank0 = next(h for h in hosts if h.name == by_slot[0])
+            wait_for(lambda: re.search(r"^step 12$", rank0.output(), re.M) is not None, 180,
+                     "step 12", hosts, by)
+            victim = next(h for h in hosts if h.name == by_slot[1])
+            victim.kill()
+            wait_for(lambda: rank0.proc.poll() is not None, 300, "the survivor to finish",
+                     hosts, by)
+            assert rank0.proc.returncode == 0, rank0.output()[-4000:]
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    plans = [e for e in events(tmp_path / "runs") if e["event"] == "restore_plan"
+             and e.get("world_size") == 2]
+    assert len(plans) == 1 and plans[0]["from_world_size"] == 4, plans
+    step = plans[0]["step"]
+    assert step is not None and step >= 8, plans
+    assert "each rank assembles its shard" in rank0.output()
+    restored = torch.load(dumps / f"restored-2-{step}.pt")
+    saved = torch.load(dumps / f"saved-4-{step}.pt")
+    assert sorted(restored) == sorted(saved) and len(saved) == 16
+    for key, tensor in saved.items():
+        assert torch.equal(restored[key], tensor), key
+    assert (dumps / "saved-2-39.pt").exists()

@@ -4,13 +4,17 @@ Checkpointer: its model and optimizer state are DTensors sharded across the rank
   --kill RANK:STEP   SIGKILL rank RANK right after its snapshot of STEP is committed
                      (first attempt only)
   --out PATH         rank 0 writes the full (unsharded) model and optimizer state
-Prints "resume rank=R start=S attempt=A".
+  --dump DIR         rank 0 writes the full state after each save as DIR/saved-W-STEP.pt
+                     (W: the world size) and right after a restore as DIR/restored-W-S.pt
+  --sleep SECONDS    pause after each step
+Prints "resume rank=R start=S attempt=A world=W" and "step N" (rank 0).
 """
 
 import argparse
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,7 +26,25 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=8)
 p.add_argument("--kill", default="")
 p.add_argument("--out", default="")
+p.add_argument("--dump", default="")
+p.add_argument("--sleep", type=float, default=0.0)
 args = p.parse_args()
+
+
+def full_state() -> dict:
+    """Model and optimizer state, unsharded (a collective: every rank calls it)."""
+    full = {f"model/{k}": v.full_tensor() for k, v in model.state_dict().items()}
+    for i, state in enumerate(opt.state.values()):
+        for key, value in state.items():
+            full[f"opt/{i}/{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return full
+
+
+def dump(name: str) -> None:
+    full = full_state()
+    if args.dump and rank == 0:
+        torch.save(full, os.path.join(args.dump, name))
+
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -37,7 +59,10 @@ fully_shard(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 ckpt = Checkpointer(model=model, optimizer=opt)
 start = ckpt.restore()
-print(f"resume rank={rank} start={start} attempt={attempt}", flush=True)
+world = dist.get_world_size()
+print(f"resume rank={rank} start={start} attempt={attempt} world={world}", flush=True)
+if args.dump and start:
+    dump(f"restored-{world}-{start - 1}.pt")
 kill = tuple(map(int, args.kill.split(":"))) if args.kill else None
 for step in range(start, args.steps):
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + rank))
@@ -46,14 +71,16 @@ for step in range(start, args.steps):
     opt.step()
     opt.zero_grad()
     ckpt.save(step)
+    if args.dump:
+        dump(f"saved-{world}-{step}.pt")
+    if rank == 0:
+        print(f"step {step}", flush=True)
+    time.sleep(args.sleep)
     if kill == (rank, step) and attempt == 0:
         ckpt.wait()
         os.kill(os.getpid(), signal.SIGKILL)
 ckpt.close()
-full = {f"model/{k}": v.full_tensor() for k, v in model.state_dict().items()}
-for i, state in enumerate(opt.state.values()):
-    for key, value in state.items():
-        full[f"opt/{i}/{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
+full = full_state()
 if rank == 0 and args.out:
     torch.save(full, args.out)
 dist.destroy_process_group()

@@ -85,3 +85,23 @@ def test_a_job_that_shrank_or_grew_restores_whole_copies() -> None:
     assert grown.sources[2] == [Source(Tier.PEER, 0)]
     assert plan_resized({0: {"ranks": [0], "resizable": {"2": {"0": [4]}}}}, 2).step is None
     assert plan_resized({0: {"ranks": [0], "resizable": {"3": {"1": [4]}}}}, 2).step is None
+
+
+def test_a_sharded_state_is_resharded_from_every_old_rank() -> None:
+    """Four old ranks of a sharded state, spread over two survivors (own slots and
+    replicas): every host plans to bring in all four, from itself where it holds one,
+    else from the peers that do; a step some old rank lacks everywhere is not chosen."""
+    from launcher.recovery import Source, Tier, plan_resharded
+
+    reports = {0: {"reshardable": {"4": {"0": [6, 8], "1": [6, 8], "2": [6], "3": [6, 8]}}},
+               1: {"reshardable": {"4": {"2": [6, 8], "3": [8]}}}}
+    plan = plan_resharded(reports, 2, node=0)
+    assert plan.step == 8 and plan.world_size == 4 and plan.reshard
+    assert plan.sources == {0: [Source(Tier.MEMORY)], 1: [Source(Tier.MEMORY)],
+                            2: [Source(Tier.PEER, 1)], 3: [Source(Tier.MEMORY)]}
+    other = plan_resharded(reports, 2, node=1)
+    assert other.step == 8 and other.sources[0] == [Source(Tier.PEER, 0)]
+    assert other.sources[3] == [Source(Tier.MEMORY)]
+    del reports[1]["reshardable"]["4"]["2"]
+    assert plan_resharded(reports, 2, node=0).step == 6
+    assert plan_resharded({0: {"reshardable": {"2": {"0": [3], "1": [3]}}}}, 2, 0).step is None
