@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -140,7 +141,17 @@ def run_command(argv: tuple[str, ...]) -> int:
     from launcher import config as cfg
     from launcher.agent import Command, launch
 
-    parser = _parser()
+    # The supervisor's c10d stores log a C++ warning with a backtrace for every call to
+    # a store that closed (a peer that finished first), where torchrun logs nothing; the
+    # level is read as torch loads, so set it for this process only, not its workers.
+    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ and "torch" not in sys.modules
+    if quiet:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        parser = _parser()
+    finally:
+        if quiet:
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
     try:
         given = vars(parser.parse_args(argv))
     except SystemExit as exc:  # --help

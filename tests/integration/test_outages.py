@@ -259,7 +259,7 @@ def test_a_host_frozen_briefly_with_no_spare_rejoins_and_the_job_goes_on(
             time.sleep(3)
             _signal_host(hosts[1], signal.SIGCONT)
 
-        hosts = _train_through(tmp_path, etcd.endpoint, freeze, "--host-ttl", "30")
+        hosts = _train_through(tmp_path, etcd.endpoint, freeze, "--host-ttl", "30", sleep=0.05)
     for host in hosts:
         assert host.proc.returncode == 0, host.output()[-4000:]
     found = events(tmp_path / "runs")

@@ -4,7 +4,7 @@ Checkpointer: its model and optimizer state are DTensors sharded across the rank
   --kill RANK:STEP   SIGKILL rank RANK right after its snapshot of STEP is committed
                      (first attempt only)
   --out PATH         rank 0 writes the full (unsharded) model and optimizer state
-  --dump DIR         rank 0 writes the full state after each save as DIR/saved-W-STEP.pt
+  --dump DIR         rank 0 writes the full state before each save as DIR/saved-W-STEP.pt
                      (W: the world size) and right after a restore as DIR/restored-W-S.pt
   --sleep SECONDS    pause after each step
 Prints "resume rank=R start=S attempt=A world=W" and "step N" (rank 0).
@@ -70,9 +70,9 @@ for step in range(start, args.steps):
     loss.backward()
     opt.step()
     opt.zero_grad()
-    ckpt.save(step)
-    if args.dump:
+    if args.dump:  # before the save: a committed step always has its dump
         dump(f"saved-{world}-{step}.pt")
+    ckpt.save(step)
     if rank == 0:
         print(f"step {step}", flush=True)
     time.sleep(args.sleep)
