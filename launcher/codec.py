@@ -332,55 +332,65 @@ def reshard(copies: list[tuple[int, Any, dict[str, Any]]], template: int,
 
     _, template_buf, template_meta = next(c for c in copies if c[0] == template)
     tensors = [slot_tensor(template_buf, entry) for entry in template_meta["tensors"]]
-    olds = []
-    for rank, buf, meta in copies:
-        paths = {meta["tensors"][n["__dtensor__"]]["path"]: n for n in _dtensor_nodes(meta["tree"])}
-        olds.append((rank, buf, meta, paths))
+    olds = [(rank, buf, meta, {meta["tensors"][n["__dtensor__"]]["path"]: n
+                               for n in _dtensor_nodes(meta["tree"])})
+            for rank, buf, meta in copies]
     tree = copy.deepcopy(template_meta["tree"])
     for node in _dtensor_nodes(tree):
         index = node["__dtensor__"]
         path = template_meta["tensors"][index]["path"]
-        saved = json.loads(node["mesh"])  # [device type, ranks as nested lists, dim names]
-        live = [m for key, m in meshes.items() if json.loads(key)[2] == saved[2]
-                and m.ndim == len(_mesh_shape(saved[1]))]
-        if len(live) != 1:
-            raise CheckpointError(f"{path}: no single live device mesh like the one it was "
-                                  "saved on to reshard it onto")
-        mesh = live[0]
-        coordinate = mesh.get_coordinate()
-        if coordinate is None:
-            raise CheckpointError(f"{path}: this rank is not on the live device mesh")
-        shape, offset = _shard_box(node, list(mesh.shape), coordinate)
-        local = torch.empty(shape, dtype=tensors[index].dtype)
-        filled, done = 0, set()
-        for rank, buf, meta, paths in olds:
-            old = paths.get(path)
-            if old is None:
-                raise CheckpointError(f"{path}: rank {rank}'s copy does not hold it")
-            old_mesh = json.loads(old["mesh"])[1]
-            where = _coordinate(old_mesh, rank)
-            if where is None:
-                continue  # not on that mesh: it holds no shard of this tensor
-            old_shape, old_offset = _shard_box(old, list(_mesh_shape(old_mesh)), where)
-            if (old_shape, old_offset) in done:
-                continue  # a replica of a shard already copied
-            done.add((old_shape, old_offset))
-            lo = [max(a, b) for a, b in zip(offset, old_offset, strict=True)]
-            hi = [min(a + n, b + m) for a, n, b, m in
-                  zip(offset, shape, old_offset, old_shape, strict=True)]
-            if any(h <= low for low, h in zip(lo, hi, strict=True)):
-                continue
-            src = slot_tensor(buf, meta["tensors"][old["__dtensor__"]])
-            dst_index = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))
-            src_index = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, old_offset, strict=True))
-            local[dst_index] = src[src_index]
-            filled += math.prod(h - low for low, h in zip(lo, hi, strict=True))
-        if filled != local.numel():
-            raise CheckpointError(f"{path}: the old shards cover {filled} of the "
-                                  f"{local.numel()} elements of this rank's shard")
-        tensors[index] = local
+        mesh = _live_mesh(node, meshes, path)
+        tensors[index] = _assemble(node, mesh, tensors[index].dtype, path, olds)
         node["mesh"] = _mesh_key(mesh)
     return unflatten(tree, tensors, meshes)  # type: ignore[no-any-return]
+
+
+def _live_mesh(node: dict[str, Any], meshes: dict[str, Any], path: str) -> Any:
+    """The one live device mesh with the dimensions of the one ``node`` was saved on."""
+    saved = json.loads(node["mesh"])  # [device type, ranks as nested lists, dim names]
+    live = [m for key, m in meshes.items() if json.loads(key)[2] == saved[2]
+            and m.ndim == len(_mesh_shape(saved[1]))]
+    if len(live) != 1:
+        raise CheckpointError(f"{path}: no single live device mesh like the one it was "
+                              "saved on to reshard it onto")
+    return live[0]
+
+
+def _assemble(node: dict[str, Any], mesh: Any, dtype: torch.dtype, path: str,
+              olds: list[tuple[int, Any, dict[str, Any], dict[str, Any]]]) -> torch.Tensor:
+    """This rank's shard on ``mesh`` of the DTensor ``node`` describes, copied from the
+    parts of the old ranks' shards (``olds``: rank, buffer, metadata, DTensor nodes by
+    path) that overlap it; every element must be covered."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise CheckpointError(f"{path}: this rank is not on the live device mesh")
+    shape, offset = _shard_box(node, list(mesh.shape), coordinate)
+    local = torch.empty(shape, dtype=dtype)
+    filled, done = 0, set()
+    for rank, buf, meta, paths in olds:
+        old = paths.get(path)
+        if old is None:
+            raise CheckpointError(f"{path}: rank {rank}'s copy does not hold it")
+        old_mesh = json.loads(old["mesh"])[1]
+        where = _coordinate(old_mesh, rank)
+        box = None if where is None else _shard_box(old, list(_mesh_shape(old_mesh)), where)
+        if box is None or box in done:
+            continue  # no shard on that mesh, or a replica of one already copied
+        done.add(box)
+        old_shape, old_offset = box
+        lo = [max(a, b) for a, b in zip(offset, old_offset, strict=True)]
+        hi = [min(a + n, b + m) for a, n, b, m in
+              zip(offset, shape, old_offset, old_shape, strict=True)]
+        if any(h <= low for low, h in zip(lo, hi, strict=True)):
+            continue
+        src = slot_tensor(buf, meta["tensors"][old["__dtensor__"]])
+        local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))] = src[
+            tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, old_offset, strict=True))]
+        filled += math.prod(h - low for low, h in zip(lo, hi, strict=True))
+    if filled != local.numel():
+        raise CheckpointError(f"{path}: the old shards cover {filled} of the "
+                              f"{local.numel()} elements of this rank's shard")
+    return local
 
 
 def _mesh_shape(nested: Any) -> tuple[int, ...]:
