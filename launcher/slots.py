@@ -416,14 +416,13 @@ class SlotOwner:
             return found
 
 
-    def resizable(self, world_size: int, *, sharded: bool = False
-                  ) -> dict[int, dict[int, list[int]]]:
+    def resizable(self, world_size: int) -> dict[str, dict[int, dict[int, list[int]]]]:
         """Verified committed steps written by a world of another size than
-        ``world_size``, of state that every data-parallel rank holds whole (the slot's
-        metadata says ``replicated``), or with ``sharded`` of state sharded as DTensors
-        (it says ``sharded``), per world size and rank, from this host's own and replica
-        slots: what a job that shrank or grew may restore (see ``recovery.plan_resized``
-        and ``recovery.plan_resharded``)."""
+        ``world_size``, per world size and rank, from this host's own and replica slots:
+        what a job that shrank or grew may restore. Under ``"replicated"`` those of state
+        that every data-parallel rank holds whole (the slot's metadata says so; see
+        ``recovery.plan_resized``), under ``"sharded"`` those of state sharded as DTensors
+        (``recovery.plan_resharded``). Each slot is verified once for both."""
         with self._lock:
             segments = [seg for pairs in (self._slots, self._replicas) for pair in pairs.values()
                         for seg in pair if seg is not None
@@ -434,16 +433,17 @@ class SlotOwner:
             with ThreadPoolExecutor(max_workers=max(1, min(len(segments), os.cpu_count() or 1))
                                     ) as pool:
                 infos = list(pool.map(memory.describe, segments))
-        found: dict[int, dict[int, set[int]]] = {}
+        found: dict[str, dict[int, dict[int, set[int]]]] = {"replicated": {}, "sharded": {}}
         for info in infos:
             header = info.header
-            if (info.valid_step is None or header is None or header.rank != info.rank
-                    or not (info.meta or {}).get("sharded" if sharded else "replicated")):
+            if info.valid_step is None or header is None or header.rank != info.rank:
                 continue
-            found.setdefault(header.world_size, {}).setdefault(header.rank, set()).add(
-                info.valid_step)
-        return {world: {rank: sorted(steps) for rank, steps in ranks.items()}
-                for world, ranks in found.items()}
+            for kind, ranks in found.items():
+                if (info.meta or {}).get(kind):
+                    ranks.setdefault(header.world_size, {}).setdefault(header.rank, set()).add(
+                        info.valid_step)
+        return {kind: {world: {rank: sorted(steps) for rank, steps in ranks.items()}
+                       for world, ranks in worlds.items()} for kind, worlds in found.items()}
 
 
 class SlotServer:

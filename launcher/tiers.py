@@ -89,6 +89,7 @@ class MemoryService:
         self.server.ranks = frozenset(ranks)
         world_size = group.workers[0].world_size if group.workers else 0
         node, nodes = group.group_rank or 0, group.group_world_size or 1
+        resizable = self.owner.resizable(world_size)
         report: dict[str, Any] = {
             "local": self.owner.holdings(ranks, world_size),
             "replicas": self.owner.holdings(None, world_size, replica=True)
@@ -97,8 +98,8 @@ class MemoryService:
                         if rank in ranks} if self.persist is not None else {},
             "address": list(self.replication.address) if self.replication is not None else None,
             "ranks": ranks,
-            "resizable": self.owner.resizable(world_size),
-            "reshardable": self.owner.resizable(world_size, sharded=True),
+            "resizable": resizable["replicated"],
+            "reshardable": resizable["sharded"],
         }
         if node == 0 and self.replication is not None:
             store.set("replication_round", uuid.uuid4().hex)
@@ -145,24 +146,21 @@ class MemoryService:
             rank: Future() for rank in ranks if rank not in used and plan.step is not None}
         self._arrivals = arrivals
 
+        # Each worker awaits its own rank, or, resharding, every old rank's copy.
+        batches = [(sorted(plan.sources), list(arrivals))] if plan.reshard else [
+            ([rank], [rank]) for rank in arrivals]
+
         def bring_in_the_rest() -> None:
-            if plan.reshard:  # every worker needs every old rank's copy
+            for wanted, waiting in batches:
                 try:
-                    used.update(self._bring_in(plan, sorted(plan.sources), reports))
-                except Exception as exc:
-                    for rank, arrival in arrivals.items():
-                        arrival.set_exception(CheckpointError(
-                            f"rank {rank}: step {restore} could not be brought in: {exc}"))
-                else:
-                    for arrival in arrivals.values():
-                        arrival.set_result(None)
-            for rank, arrival in [] if plan.reshard else arrivals.items():
-                try:
-                    used.update(self._bring_in(plan, [rank], reports))
-                    arrival.set_result(self._verified([rank], restore).get(rank))
+                    used.update(self._bring_in(plan, wanted, reports))
                 except Exception as exc:  # the worker's restore fails with it, and says why
-                    arrival.set_exception(CheckpointError(f"rank {rank}: step {restore} could "
-                                                          f"not be brought in: {exc}"))
+                    for rank in waiting:
+                        arrivals[rank].set_exception(CheckpointError(
+                            f"rank {rank}: step {restore} could not be brought in: {exc}"))
+                    continue
+                for rank in waiting:
+                    arrivals[rank].set_result(self._verified([rank], restore).get(rank))
             self.events.write("restore_plan", step=plan.step, local=report["local"],
                               world_size=world_size, from_world_size=plan.world_size,
                               replicas=report["replicas"], persist=report["persist"],

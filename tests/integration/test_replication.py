@@ -302,15 +302,7 @@ def test_without_a_spare_the_job_shrinks_then_grows_back(tmp_path: Path) -> None
                 "--max-restarts", "5", "--replication-addr", "127.0.0.1", "--no-standby",
                 *TRAIN, "--steps", str(STEPS), "--sleep", "0.1", "--out", str(tmp_path / "out.pt")]
         try:
-            hosts = [Host(tmp_path, f"h{i}", argv) for i in range(3)]
-            wait_for(lambda: len(_slots(tmp_path)) == 3, 120, "every host in the rendezvous",
-                     hosts, by)
-            by_slot = {slot: name for name, slot in _slots(tmp_path).items()}
-            rank0 = next(h for h in hosts if h.name == by_slot[0])
-            wait_for(lambda: re.search(r"^step 20 ", rank0.output(), re.M) is not None, 180,
-                     "step 20", hosts, by)
-            victim = next(h for h in hosts if h.name == by_slot[1])
-            victim.kill()
+            rank0, victim = _kill_node_one(tmp_path, argv, 3, r"^step 20 ", hosts, by)
 
             def resized(world: int) -> list[dict]:
                 return [e for e in events(tmp_path / "runs") if e["event"] == "restore_plan"
@@ -339,6 +331,20 @@ def test_without_a_spare_the_job_shrinks_then_grows_back(tmp_path: Path) -> None
     assert len({p["step"] for p in grows}) == 1 and grown > shrunk, grows
     reference = _chained_reference(tmp_path, [(3, shrunk), (2, grown), (3, STEPS - 1)])
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def _kill_node_one(tmp: Path, argv: list[str], count: int, step: str, hosts: list[Host],
+                   by: float) -> tuple[Host, Host]:
+    """Start ``count`` hosts (appended to ``hosts``); once the host in node slot 0 printed
+    a line matching ``step``, kill the one in node slot 1. Returns both."""
+    hosts += [Host(tmp, f"h{i}", argv) for i in range(count)]
+    wait_for(lambda: len(_slots(tmp)) == count, 120, "every host in the rendezvous", hosts, by)
+    by_slot = {slot: name for name, slot in _slots(tmp).items()}
+    rank0 = next(h for h in hosts if h.name == by_slot[0])
+    wait_for(lambda: re.search(step, rank0.output(), re.M) is not None, 180, step, hosts, by)
+    victim = next(h for h in hosts if h.name == by_slot[1])
+    victim.kill()
+    return rank0, victim
 
 
 def _chained_reference(tmp: Path, phases: list[tuple[int, int]]) -> dict:
@@ -375,15 +381,7 @@ def test_an_fsdp2_job_without_a_spare_reshards_onto_the_survivors(tmp_path: Path
                 "--no-standby", str(SCRIPTS / "train_fsdp.py"), "--steps", "40",
                 "--sleep", "0.1", "--dump", str(dumps)]
         try:
-            hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
-            wait_for(lambda: len(_slots(tmp_path)) == 2, 120, "both hosts in the rendezvous",
-                     hosts, by)
-            by_slot = {slot: name for name, slot in _slots(tmp_path).items()}
-            rank0 = next(h for h in hosts if h.name == by_slot[0])
-            wait_for(lambda: re.search(r"^step 12$", rank0.output(), re.M) is not None, 180,
-                     "step 12", hosts, by)
-            victim = next(h for h in hosts if h.name == by_slot[1])
-            victim.kill()
+            rank0, victim = _kill_node_one(tmp_path, argv, 2, r"^step 12$", hosts, by)
             wait_for(lambda: rank0.proc.poll() is not None, 300, "the survivor to finish",
                      hosts, by)
             assert rank0.proc.returncode == 0, rank0.output()[-4000:]
