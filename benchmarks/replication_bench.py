@@ -16,11 +16,11 @@ gloo over loopback). Printed, side by side with their baselines:
    (the first survivor to know: its worker's communication error, a refused probe of
    the dead supervisor, or unanswered heartbeats), rendezvous (to the round with the
    new host), transfer (the new host pulls its ranks) and load + first step; with a hot
-   spare, a replacement started at the loss, no spare (the survivors shrink the job),
-   the persistent tier, and side by side
-   torchrun restoring with torch.load from a torch.save written every step to local
-   disk. About 250 MiB of state per host; each step sleeps 0.2 s, standing in for GPU
-   compute that leaves the host's CPU free;
+   spare, a replacement started at the loss, no spare (the survivors shrink the job;
+   with FSDP2 they reshard it), the persistent tier, and side by side torchrun restoring
+   with torch.load from a torch.save written every step to local disk. About 250 MiB of
+   state per host and a batch of 16 tokens; each step then sleeps 0.5 s, standing in for
+   GPU compute that leaves the host's CPU free;
 4. the time from a host kill until every surviving supervisor knows, with 2, 4 and 8
    hosts (small state): the loss is broadcast, not passed around the ring.
 
@@ -54,7 +54,7 @@ from transport_bench import bench_size, parse_size  # noqa: E402
 EXAMPLE = str(HERE.parent / "examples" / "train_gpt.py")
 MODEL = ["--n-embd", "384", "--n-layer", "4", "--n-head", "6", "--batch-size", "4"]
 GEMINI = [sys.executable, "-m", "gemini_cli", "run"]
-IDLE = 0.2  # seconds each host-loss step sleeps: GPU time, during which the CPU is free
+IDLE = 0.5  # seconds each host-loss step sleeps: GPU time, during which the CPU is free
 DEVICE_TIME = 0.2  # seconds of stand-in GPU time per step in part 2's second setting
 STANDBY_READY = 5.0  # seconds a spare waits before the kill: its standbys import torch
 
@@ -156,8 +156,10 @@ def _free_port() -> int:
 
 # -- 3. host-loss recovery ------------------------------------------------------------------
 
-LOSS_MODEL = ["--n-embd", "672", "--n-head", "8", "--n-layer", "4", "--batch-size", "4"]
-"""About 250 MiB of model and AdamW state per host (one worker)."""
+LOSS_MODEL = ["--n-embd", "672", "--n-head", "8", "--n-layer", "4", "--batch-size", "1",
+              "--seq-len", "16"]
+"""About 250 MiB of model and AdamW state per host (one worker), and a batch of 16 tokens:
+the CPU computes little, as on a GPU host, where the accelerator does the work (``IDLE``)."""
 KNOWS = frozenset({"worker_exit", "host_dead", "host_unresponsive", "member_lost"})
 """Events by which a supervisor shows it knows of a failure in its round."""
 
@@ -172,6 +174,7 @@ class Variant:
     fault: str = "kill"  # or "freeze": SIGSTOP every process of the host
     shrink: bool = False  # --nnodes N-1:N and no replacement
     torchrun: bool = False  # torchrun + torch.save/torch.load instead of gemini
+    script: tuple[str, ...] = ()  # more arguments of the training script
 
 
 def _signal_tree(pid: int, sig: int) -> None:
@@ -192,10 +195,15 @@ def host_loss(variant: Variant, nodes: int, etcd: Any, *, model: list[str] = LOS
     ``until_known``, only until every surviving supervisor knows)."""
     with tempfile.TemporaryDirectory() as tmp, _shm() as shm:
         run_root = Path(tmp) / "runs"
-        env = dict(os.environ, GEMINI_RUN_ROOT=str(run_root), PYTHONWARNINGS="ignore")
+        # One core per simulated host, as each real host computes on its own cores: two
+        # OpenMP pools of two threads on two shared cores spin against each other, and
+        # every first step after a restart (both hosts' workers in lock step) takes 7x
+        # longer. The same for torchrun and gemini.
+        env = dict(os.environ, GEMINI_RUN_ROOT=str(run_root), PYTHONWARNINGS="ignore",
+                   OMP_NUM_THREADS="1")
         run_id = f"loss-{os.getpid()}-{time.monotonic_ns()}"
         low = nodes - 1 if variant.shrink else nodes
-        train = [EXAMPLE, "--steps", "400", "--sleep", str(IDLE), *model]
+        train = [EXAMPLE, "--steps", "400", "--sleep", str(IDLE), *model, *variant.script]
         port = _free_port()
 
         def host(name: str, i: int) -> Host:
@@ -405,6 +413,8 @@ def main() -> None:
                     Variant("peer memory, replacement started at the kill"),
                     Variant("memory, no spare: the survivors go on (--nnodes N-1:N)",
                             shrink=True),
+                    Variant("memory, no spare, FSDP2: the survivors reshard (--nnodes N-1:N)",
+                            shrink=True, script=("--fsdp",)),
                     Variant("persistent tier (local disk), replacement started at the kill",
                             args=("--replicas", "1", "--persist-dir", "{tmp}/persist",
                                   "--persist-every", "1")),

@@ -1,4 +1,5 @@
-"""A small character-level GPT trained with DDP, for demos and launcher tests.
+"""A small character-level GPT trained with DDP (or FSDP2, ``--fsdp``), for demos, launcher
+tests and benchmarks.
 
 Runs under torchrun (or gemini) when RANK/WORLD_SIZE are set, and as a single process
 otherwise. The data is synthetic and made in code, and the batch for (step, rank) is a
@@ -160,6 +161,9 @@ def parse_args() -> argparse.Namespace:
                              "compute, during which the host's CPU is free")
     parser.add_argument("--save-weights", metavar="PATH", help="rank 0 saves the final weights")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard parameters and optimizer state with FSDP2 (fully_shard) "
+                             "instead of replicating them with DDP")
     parser.add_argument("--log-every", type=int, default=1)
     parser.add_argument("--alternate-saves", type=int, default=0, metavar="N",
                         help="save only in every other block of N steps, and report the "
@@ -268,7 +272,17 @@ def main() -> None:
         n_embd=args.n_embd,
     )
     model = GPT(config).to(device)
-    ddp_model: nn.Module = DistributedDataParallel(model) if world_size > 1 else model
+    ddp_model: nn.Module = model
+    if args.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        if args.torch_save or not dist.is_initialized():
+            raise SystemExit("--fsdp runs under torchrun or gemini run, without --torch-save")
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    elif world_size > 1:
+        ddp_model = DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args.steps))
     # gemini's hook: model, optimizer, scheduler and RNG states in memory every step.
