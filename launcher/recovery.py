@@ -179,3 +179,18 @@ def plan_resharded(reports: Mapping[int, Mapping[str, Any]], world_size: int,
                    for rank in range(world)}
         best = RestorePlan(step, sources, world_size=world, reshard=True)
     return best
+
+
+def choose_plan(reports: Mapping[int, Mapping[str, Any]], world_size: int,
+                node: int) -> RestorePlan:
+    """``node``'s plan for a round of ``world_size`` ranks, from every host's holdings
+    report: the newest step of the three ways to restore, the same world size first
+    (:func:`plan_restore`), then a whole copy per rank after the job shrank or grew
+    (:func:`plan_resized`), then shards assembled from the old ranks' copies
+    (:func:`plan_resharded`); a later one wins only with a newer step."""
+    plan = plan_restore(gather_sources(reports), world_size)
+    for other in (plan_resized(reports, world_size),
+                  plan_resharded(reports, world_size, node)):
+        if other.step is not None and (plan.step is None or other.step > plan.step):
+            plan = other
+    return plan

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -30,11 +31,9 @@ from launcher.recovery import (
     RestorePlan,
     Source,
     Tier,
+    choose_plan,
     explain_incomplete,
     gather_sources,
-    plan_resharded,
-    plan_resized,
-    plan_restore,
 )
 from launcher.slots import SlotOwner, SlotServer
 
@@ -89,31 +88,13 @@ class MemoryService:
         self.server.ranks = frozenset(ranks)
         world_size = group.workers[0].world_size if group.workers else 0
         node, nodes = group.group_rank or 0, group.group_world_size or 1
-        resizable = self.owner.resizable(world_size)
-        report: dict[str, Any] = {
-            "local": self.owner.holdings(ranks, world_size),
-            "replicas": self.owner.holdings(None, world_size, replica=True)
-            if self.replication is not None else {},
-            "persist": {rank: steps for rank, steps in self.persist.scan().items()
-                        if rank in ranks} if self.persist is not None else {},
-            "address": list(self.replication.address) if self.replication is not None else None,
-            "ranks": ranks,
-            "resizable": resizable["replicated"],
-            "reshardable": resizable["sharded"],
-        }
+        report = self._holdings(ranks, world_size)
         if node == 0 and self.replication is not None:
             store.set("replication_round", uuid.uuid4().hex)
         store.set(f"holdings/{node}", json.dumps(report))
         reports = {peer: json.loads(store.get(f"holdings/{peer}")) for peer in range(nodes)}
-        available = gather_sources(reports)
-        plan = plan_restore(available, world_size)
-        resized = plan_resized(reports, world_size)
-        if resized.step is not None and (plan.step is None or resized.step > plan.step):
-            plan = resized  # the job shrank or grew: every rank takes a whole copy
-        resharded = plan_resharded(reports, world_size, node)
-        if resharded.step is not None and (plan.step is None or resharded.step > plan.step):
-            plan = resharded  # ... of sharded state: every rank assembles its shard
-        if plan.step is None and available:
+        plan = choose_plan(reports, world_size, node)
+        if plan.step is None and (available := gather_sources(reports)):
             why = explain_incomplete(available, world_size)
             logger.warning("no step is complete for every rank in any tier, so the job starts "
                            "from step 0: %s", why)
@@ -134,23 +115,54 @@ class MemoryService:
         os.environ[ENV_RESTORE_VERIFIED] = ",".join(
             f"{rank}:{seq}" for rank, seq in self._verified(here, restore).items())
         os.environ[ENV_RESTORE_RESHARD] = str(plan.world_size if plan.reshard else 0)
-        if plan.reshard:
-            print(f"gemini: the job now has {world_size} ranks instead of {plan.world_size}: "
-                  f"each rank assembles its shard of step {plan.step} from the copies of all "
-                  f"{plan.world_size} ranks", file=sys.stderr, flush=True)
-        elif plan.world_size is not None:
-            print(f"gemini: the job now has {world_size} ranks instead of {plan.world_size}: "
-                  f"each rank resumes step {plan.step} from a whole copy of the state (rank r "
-                  f"from rank r % {plan.world_size})", file=sys.stderr, flush=True)
+        _announce_resize(plan, world_size)
+
+        def done() -> None:
+            self.events.write("restore_plan", step=plan.step, local=report["local"],
+                              world_size=world_size, from_world_size=plan.world_size,
+                              replicas=report["replicas"], persist=report["persist"],
+                              sources={str(rank): used[rank] for rank in sorted(used)},
+                              scan_seconds=round(scanned - started, 4),
+                              transfer_seconds=round(time.monotonic() - scanned, 4))
+
+        self._bring_in_the_rest(plan, ranks, used, reports, done)
+        if self.replication is not None:
+            addresses = {peer: (str(r["address"][0]), int(r["address"][1]))
+                         for peer, r in reports.items() if r.get("address")}
+            round_id = store.get("replication_round").decode()
+            self.replication.set_round(node, nodes, addresses, round_id=round_id,
+                                       restored=restore)
+
+    def _holdings(self, ranks: list[int], world_size: int) -> dict[str, Any]:
+        """This host's report to the round: the steps it holds of each rank in each tier,
+        and what it can restore at another world size."""
+        resizable = self.owner.resizable(world_size)
+        return {
+            "local": self.owner.holdings(ranks, world_size),
+            "replicas": self.owner.holdings(None, world_size, replica=True)
+            if self.replication is not None else {},
+            "persist": {rank: steps for rank, steps in self.persist.scan().items()
+                        if rank in ranks} if self.persist is not None else {},
+            "address": list(self.replication.address) if self.replication is not None else None,
+            "ranks": ranks,
+            "resizable": resizable["replicated"],
+            "reshardable": resizable["sharded"],
+        }
+
+    def _bring_in_the_rest(self, plan: RestorePlan, ranks: list[int], used: dict[int, str],
+                           reports: dict[int, dict[str, Any]], done: Callable[[], None]
+                           ) -> None:
+        """Pull from peers and load from files what ``plan`` needs and ``used`` lacks, in
+        the background; each rank's arrival resolves when its copy is in (resharding:
+        every old rank's copy); then ``done()``."""
+        restore = -1 if plan.step is None else plan.step
         arrivals: dict[int, Future[int | None]] = {
             rank: Future() for rank in ranks if rank not in used and plan.step is not None}
         self._arrivals = arrivals
-
-        # Each worker awaits its own rank, or, resharding, every old rank's copy.
         batches = [(sorted(plan.sources), list(arrivals))] if plan.reshard else [
             ([rank], [rank]) for rank in arrivals]
 
-        def bring_in_the_rest() -> None:
+        def run() -> None:
             for wanted, waiting in batches:
                 try:
                     used.update(self._bring_in(plan, wanted, reports))
@@ -161,25 +173,13 @@ class MemoryService:
                     continue
                 for rank in waiting:
                     arrivals[rank].set_result(self._verified([rank], restore).get(rank))
-            self.events.write("restore_plan", step=plan.step, local=report["local"],
-                              world_size=world_size, from_world_size=plan.world_size,
-                              replicas=report["replicas"], persist=report["persist"],
-                              sources={str(rank): used[rank] for rank in sorted(used)},
-                              scan_seconds=round(scanned - started, 4),
-                              transfer_seconds=round(time.monotonic() - scanned, 4))
+            done()
 
         if arrivals:
-            self._pulling = threading.Thread(target=bring_in_the_rest, name="gemini-restore",
-                                             daemon=True)
+            self._pulling = threading.Thread(target=run, name="gemini-restore", daemon=True)
             self._pulling.start()
         else:
-            bring_in_the_rest()
-        if self.replication is not None:
-            addresses = {peer: (str(r["address"][0]), int(r["address"][1]))
-                         for peer, r in reports.items() if r.get("address")}
-            round_id = store.get("replication_round").decode()
-            self.replication.set_round(node, nodes, addresses, round_id=round_id,
-                                       restored=restore)
+            run()
 
     def _verified(self, ranks: list[int], step: int) -> dict[int, int]:
         """The seq of each rank's own slot holding ``step``: every such slot was verified
@@ -265,3 +265,15 @@ class MemoryService:
             self.replication.close()
         self.server.close()
         self.owner.close()
+
+
+def _announce_resize(plan: RestorePlan, world_size: int) -> None:
+    """Say on the console how the ranks restore when the job changed its world size."""
+    if plan.reshard:
+        print(f"gemini: the job now has {world_size} ranks instead of {plan.world_size}: "
+              f"each rank assembles its shard of step {plan.step} from the copies of all "
+              f"{plan.world_size} ranks", file=sys.stderr, flush=True)
+    elif plan.world_size is not None:
+        print(f"gemini: the job now has {world_size} ranks instead of {plan.world_size}: "
+              f"each rank resumes step {plan.step} from a whole copy of the state (rank r "
+              f"from rank r % {plan.world_size})", file=sys.stderr, flush=True)

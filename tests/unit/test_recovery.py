@@ -105,3 +105,26 @@ def test_a_sharded_state_is_resharded_from_every_old_rank() -> None:
     del reports[1]["reshardable"]["4"]["2"]
     assert plan_resharded(reports, 2, node=0).step == 6
     assert plan_resharded({0: {"reshardable": {"2": {"0": [3], "1": [3]}}}}, 2, 0).step is None
+
+
+def test_the_newest_of_the_three_plans_wins() -> None:
+    """A world of 2 on two nodes: their own slots hold step 5 of the current world; a
+    copy of an earlier world of 4 at a newer step wins (whole copies of replicated state,
+    or shards of sharded state), an older one does not."""
+    from launcher.recovery import choose_plan
+
+    def reports(resizable: dict[str, dict[str, list[int]]],
+                reshardable: dict[str, dict[str, list[int]]]) -> dict[int, dict[str, object]]:
+        return {node: {"ranks": [node], "local": {str(node): [5]}, "replicas": {},
+                       "persist": {}, "resizable": resizable, "reshardable": reshardable}
+                for node in (0, 1)}
+
+    old = {"4": {str(rank): [7] for rank in range(4)}}
+    same = choose_plan(reports({}, {}), 2, node=0)
+    assert same.step == 5 and same.world_size is None and not same.reshard
+    resized = choose_plan(reports(old, {}), 2, node=0)
+    assert resized.step == 7 and resized.world_size == 4 and not resized.reshard
+    resharded = choose_plan(reports({}, old), 2, node=1)
+    assert resharded.step == 7 and resharded.world_size == 4 and resharded.reshard
+    older = {"4": {str(rank): [3] for rank in range(4)}}
+    assert choose_plan(reports(older, older), 2, node=0).step == 5
