@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,17 +244,39 @@ def _lose_one(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, r
             raise RuntimeError("no progress:\n" + "\n".join(h.output()[-2000:] for h in hosts.values()))
         time.sleep(0.1)
     rank0 = next(name for name, h in hosts.items() if h.first(step.pattern))
-    if variant.torchrun:
-        victim = "h1"
-    else:
-        slots = {int(e["group_rank"]): str(e["host"]) for e in _events(run_root)  # type: ignore[call-overload]
-                 if e["event"] == "rendezvous"}
-        victim = slots[1]
+    victim = "h1" if variant.torchrun else {
+        int(e["group_rank"]): str(e["host"]) for e in _events(run_root)  # type: ignore[call-overload]
+        if e["event"] == "rendezvous"}[1]
     if variant.spare:
         hosts["new"] = host("new", nodes)
         _wait_for_spare(etcd.url, run_id, deadline)
         time.sleep(STANDBY_READY)
     before = hosts[rank0]
+    faulted = _fault(variant, nodes, hosts, host, victim)
+    survivors = [name for name in hosts if name not in (victim, "new")]
+    if until_known:
+        return _until_known(run_root, survivors, faulted, deadline)
+    while not (done_by := {n: r for n, h in hosts.items() if n != victim
+                           and (r := _resumed(h, faulted)) is not None}):
+        if time.monotonic() > deadline:
+            raise RuntimeError("\n".join(h.output()[-3000:] for h in hosts.values()))
+        time.sleep(0.1)
+    name, (at, first_step) = min(done_by.items(), key=lambda item: item[1][1])
+    match = next(re.match(r"resumed at step (\d+)", line) for t, line in hosts[name].lines
+                 if t == at)
+    assert match is not None
+    done = [int(m.group(1)) for t, line in list(before.lines) if t <= faulted
+            and (m := re.match(r"step (\d+) ", line))]
+    result = {"steps redone": max(done, default=-1) - (int(match.group(1)) - 1),
+              "total": first_step - faulted}
+    if variant.torchrun:
+        return result
+    return {**result, **_phases(variant, run_root, survivors, faulted, first_step)}
+
+
+def _fault(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, victim: str
+           ) -> float:
+    """Kill or freeze ``victim``, start what replaces it; the time of the fault."""
     faulted = time.time()
     if variant.fault == "freeze":
         _signal_tree(hosts[victim].proc.pid, signal.SIGSTOP)
@@ -270,40 +293,34 @@ def _lose_one(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, r
             time.sleep(0.5)
     elif not (variant.spare or variant.shrink):
         hosts["new"] = host("new", nodes)
-    survivors = [name for name in hosts if name not in (victim, "new")]
-    if until_known:
-        while True:
-            known = _first_known(run_root, survivors, faulted)
-            if len(known) == len(survivors):
-                return {"first knows": min(known.values()) - faulted,
-                        "every supervisor knows": max(known.values()) - faulted}
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not every survivor learned of the loss: {known}")
-            time.sleep(0.1)
-    def resumed(h: Host) -> tuple[float, float] | None:
-        """When ``h`` printed that it resumed, and its first step after that."""
-        at = h.first(r"^resumed at step", after=faulted)
-        first = h.first(r"^step \d+ ", after=at) if at is not None else None
-        return None if at is None or first is None else (at, first)
+    return faulted
 
-    while not (done_by := {n: r for n, h in hosts.items() if n != victim
-                           and (r := resumed(h)) is not None}):
+
+def _until_known(run_root: Path, survivors: list[str], faulted: float, deadline: float
+                 ) -> dict[str, float]:
+    """Wait until every surviving supervisor knows of the loss."""
+    while True:
+        known = _first_known(run_root, survivors, faulted)
+        if len(known) == len(survivors):
+            return {"first knows": min(known.values()) - faulted,
+                    "every supervisor knows": max(known.values()) - faulted}
         if time.monotonic() > deadline:
-            raise RuntimeError("\n".join(h.output()[-3000:] for h in hosts.values()))
+            raise RuntimeError(f"not every survivor learned of the loss: {known}")
         time.sleep(0.1)
-    name, (at, first_step) = min(done_by.items(), key=lambda item: item[1][1])
-    match = next(re.match(r"resumed at step (\d+)", line) for t, line in hosts[name].lines
-                 if t == at)
-    assert match is not None
-    done = [int(m.group(1)) for t, line in list(before.lines) if t <= faulted
-            and (m := re.match(r"step (\d+) ", line))]
-    result = {"steps redone": max(done, default=-1) - (int(match.group(1)) - 1),
-              "total": first_step - faulted}
-    if variant.torchrun:
-        return result
+
+
+def _resumed(h: Host, faulted: float) -> tuple[float, float] | None:
+    """When ``h`` printed that it resumed after ``faulted``, and its first step after."""
+    at = h.first(r"^resumed at step", after=faulted)
+    first = h.first(r"^step \d+ ", after=at) if at is not None else None
+    return None if at is None or first is None else (at, first)
+
+
+def _phases(variant: Variant, run_root: Path, survivors: list[str], faulted: float,
+            first_step: float) -> dict[str, float]:
+    """Detection, rendezvous, transfer, load + first step, from the supervisors' events."""
     events = _events(run_root)
-    known = _first_known(run_root, survivors, faulted)
-    detected = min(known.values())
+    detected = min(_first_known(run_root, survivors, faulted).values())
     plans = [e for e in events if e["event"] == "restore_plan" and float(e["ts"]) > faulted]  # type: ignore[arg-type]
     plan = next((e for e in plans if e["host"] == "new"), plans[-1])
     transfer = float(plan["transfer_seconds"])  # type: ignore[arg-type]
@@ -312,7 +329,7 @@ def _lose_one(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, r
             else {"memory", "peer"} if variant.shrink else {"memory"})
     if not set(plan["sources"].values()) <= want:  # type: ignore[union-attr]
         raise RuntimeError(f"expected a restore from {want}: {plan}")
-    return {**result, "detection": detected - faulted, "rendezvous": planned - transfer - detected,
+    return {"detection": detected - faulted, "rendezvous": planned - transfer - detected,
             "transfer": transfer, "load + first step": first_step - planned}
 
 
@@ -340,6 +357,117 @@ def _wait_for_spare(etcd_url: str, run_id: str, deadline: float) -> None:
         store.close()
 
 
+def throughput(args: argparse.Namespace) -> Iterator[list[str]]:
+    """Part 1: replication throughput against raw loopback TCP."""
+    rows = [bench_size(parse_size(text), args.repeat) for text in args.sizes.split(",")]
+    yield ["1. replication throughput (receiver in another process, loopback TCP)", "",
+           table(["slot", "raw TCP", "push (+ verify + commit)", "xxh3, one core",
+                  "push / raw"], rows), ""]
+
+
+def slowdown(args: argparse.Namespace) -> Iterator[list[str]]:
+    """Part 2: the training step while replicating, against replication off."""
+    modes = {"replication off (--replicas 1)": ["--replicas", "1"],
+             "every step, no pacing": ["--replicas", "2", "--no-pace"],
+             "every step, paced": ["--replicas", "2", "--pace"],
+             "every 4th step, paced": ["--replicas", "2", "--pace", "--replicate-every", "4"],
+             "off, persisted every step instead": ["--replicas", "1", "--persist-dir",
+                                                   "{tmp}/persist", "--persist-every", "1"]}
+    settings = {"CPU-bound": 0.0, f"+{DEVICE_TIME} s device time": DEVICE_TIME}
+    times: dict[tuple[str, str], list[float]] = {
+        (name, setting): [] for setting in settings for name in modes}
+    shares: dict[tuple[str, str], list[float]] = {key: [] for key in times}
+    stalls: dict[tuple[str, str], list[float]] = {key: [] for key in times}
+    for _ in range(args.repeat):
+        for setting, device_time in settings.items():
+            for name, mode in modes.items():  # interleaved: drift hits every mode alike
+                ms, share, stall = step_ms(mode, args.steps, device_time)
+                times[name, setting].append(ms)
+                shares[name, setting].append(share)
+                stalls[name, setting].append(stall)
+    rows = []
+    for name in modes:
+        row: list[object] = [name]
+        for setting in settings:
+            base = statistics.median(times["replication off (--replicas 1)", setting])
+            ours = statistics.median(times[name, setting])
+            share = statistics.median(shares[name, setting])
+            row += [f"{ours:.1f} ms", f"{100 * (ours / base - 1):+.1f}%",
+                    f"{100 * share:.0f}%" if "--replicas 2" in " ".join(modes[name]) else "-",
+                    f"{max(stalls[name, setting]):.1f} ms"]
+        rows.append(row)
+    header = ["replication"]
+    for setting in settings:
+        header += [f"step, {setting}", "vs off", "steps replicated", "longest stall"]
+    yield [f"2. training step while replicating (example GPT, {' '.join(MODEL)}; 2 hosts x "
+           f"1 worker; CPU-bound: both cores train; device time: each step also waits "
+           f"{DEVICE_TIME} s with the CPU free, as for a GPU; longest stall: the most "
+           f"rank 0's loop was blocked in gemini's calls in one step, over all runs)", "",
+           table(header, rows), ""]
+
+
+def host_loss_tables(args: argparse.Namespace) -> Iterator[list[str]]:
+    """Part 3: host loss -> first step after the restore, one table per host count."""
+    from etcd_server import EtcdServer
+
+    variants = [Variant("peer memory, hot spare", spare=True),
+                Variant("peer memory, hot spare, frozen host", spare=True, fault="freeze"),
+                Variant("peer memory, replacement started at the kill"),
+                Variant("memory, no spare: the survivors go on (--nnodes N-1:N)",
+                        shrink=True),
+                Variant("memory, no spare, FSDP2: the survivors reshard (--nnodes N-1:N)",
+                        shrink=True, script=("--fsdp",)),
+                Variant("persistent tier (local disk), replacement started at the kill",
+                        args=("--replicas", "1", "--persist-dir", "{tmp}/persist",
+                              "--persist-every", "1")),
+                Variant("torchrun + torch.save/torch.load (local disk), replacement "
+                        "started at the kill", torchrun=True)]
+    phases = ("detection", "rendezvous", "transfer", "load + first step", "total")
+    for nodes in args.hosts:
+        rows = []
+        results: dict[str, list[dict[str, float]]] = {v.name: [] for v in variants}
+        with EtcdServer() as etcd:
+            for _ in range(args.repeat):
+                for variant in variants:  # interleaved
+                    results[variant.name].append(host_loss(variant, nodes, etcd))
+        baseline = statistics.median(r["total"] for r in results[variants[-1].name])
+        for name, runs in results.items():
+            medians = {k: statistics.median(r[k] for r in runs) if k in runs[0] else None
+                       for k in phases}
+            redone = statistics.median(r["steps redone"] for r in runs)
+            rows.append([name, f"{redone:g}",
+                         *(f"{v:.2f} s" if v is not None else "-" for v in medians.values()),
+                         f"{baseline / medians['total']:.1f}x"])  # type: ignore[operator]
+        yield [f"3. host loss -> first completed step after restore ({nodes} hosts x 1 "
+               f"worker, {' '.join(LOSS_MODEL)}: about 250 MiB of state per host; "
+               f"etcd-v3 rendezvous for gemini, c10d for torchrun; {IDLE} s idle per "
+               "step)", "",
+               table(["restore from", "steps redone", *phases, "speed-up vs torchrun"],
+                     rows), ""]
+
+
+def scaling(args: argparse.Namespace) -> Iterator[list[str]]:
+    """Part 4: host kill -> every surviving supervisor knows, per host count."""
+    from etcd_server import EtcdServer
+
+    rows = []
+    two: float | None = None
+    for nodes in args.scaling:
+        runs = []
+        with EtcdServer() as etcd:
+            for _ in range(args.repeat):
+                runs.append(host_loss(Variant("kill"), nodes, etcd, model=[],
+                                      until_known=True))
+        first = statistics.median(r["first knows"] for r in runs)
+        every = statistics.median(r["every supervisor knows"] for r in runs)
+        two = every if two is None else two
+        rows.append([str(nodes), f"{first:.2f} s", f"{every:.2f} s", f"{every / two:.2f}x"])
+    yield ["4. host kill -> every surviving supervisor knows (1 worker per host, the "
+           "example's default model; no replacement)", "",
+           table(["hosts", "first knows", "every supervisor knows",
+                  f"vs {args.scaling[0]} hosts"], rows), ""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="256M,1G", help="slot sizes for the throughput table")
@@ -352,118 +480,12 @@ def main() -> None:
                         default=[2, 4, 8], help="host counts of part 4")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    out: list[str] = [f"machine: {machine()}", f"medians of {args.repeat} runs", ""]
-
-    def flush() -> None:
-        print("\n".join(out), flush=True)
-        out.clear()
-
-    if "1" not in skip:
-        rows = [bench_size(parse_size(text), args.repeat) for text in args.sizes.split(",")]
-        out += ["1. replication throughput (receiver in another process, loopback TCP)", "",
-                table(["slot", "raw TCP", "push (+ verify + commit)", "xxh3, one core",
-                       "push / raw"], rows), ""]
-        flush()
-
-    if "2" not in skip:
-        modes = {"replication off (--replicas 1)": ["--replicas", "1"],
-                 "every step, no pacing": ["--replicas", "2", "--no-pace"],
-                 "every step, paced": ["--replicas", "2", "--pace"],
-                 "every 4th step, paced": ["--replicas", "2", "--pace", "--replicate-every", "4"],
-                 "off, persisted every step instead": ["--replicas", "1", "--persist-dir",
-                                                       "{tmp}/persist", "--persist-every", "1"]}
-        settings = {"CPU-bound": 0.0, f"+{DEVICE_TIME} s device time": DEVICE_TIME}
-        times: dict[tuple[str, str], list[float]] = {
-            (name, setting): [] for setting in settings for name in modes}
-        shares: dict[tuple[str, str], list[float]] = {key: [] for key in times}
-        stalls: dict[tuple[str, str], list[float]] = {key: [] for key in times}
-        for _ in range(args.repeat):
-            for setting, device_time in settings.items():
-                for name, mode in modes.items():  # interleaved: drift hits every mode alike
-                    ms, share, stall = step_ms(mode, args.steps, device_time)
-                    times[name, setting].append(ms)
-                    shares[name, setting].append(share)
-                    stalls[name, setting].append(stall)
-        rows = []
-        for name in modes:
-            row: list[object] = [name]
-            for setting in settings:
-                base = statistics.median(times["replication off (--replicas 1)", setting])
-                ours = statistics.median(times[name, setting])
-                share = statistics.median(shares[name, setting])
-                row += [f"{ours:.1f} ms", f"{100 * (ours / base - 1):+.1f}%",
-                        f"{100 * share:.0f}%" if "--replicas 2" in " ".join(modes[name]) else "-",
-                        f"{max(stalls[name, setting]):.1f} ms"]
-            rows.append(row)
-        header = ["replication"]
-        for setting in settings:
-            header += [f"step, {setting}", "vs off", "steps replicated", "longest stall"]
-        out += [f"2. training step while replicating (example GPT, {' '.join(MODEL)}; 2 hosts x "
-                f"1 worker; CPU-bound: both cores train; device time: each step also waits "
-                f"{DEVICE_TIME} s with the CPU free, as for a GPU; longest stall: the most "
-                f"rank 0's loop was blocked in gemini's calls in one step, over all runs)", "",
-                table(header, rows), ""]
-        flush()
-
-    if "3" not in skip:
-        from etcd_server import EtcdServer
-
-        variants = [Variant("peer memory, hot spare", spare=True),
-                    Variant("peer memory, hot spare, frozen host", spare=True, fault="freeze"),
-                    Variant("peer memory, replacement started at the kill"),
-                    Variant("memory, no spare: the survivors go on (--nnodes N-1:N)",
-                            shrink=True),
-                    Variant("memory, no spare, FSDP2: the survivors reshard (--nnodes N-1:N)",
-                            shrink=True, script=("--fsdp",)),
-                    Variant("persistent tier (local disk), replacement started at the kill",
-                            args=("--replicas", "1", "--persist-dir", "{tmp}/persist",
-                                  "--persist-every", "1")),
-                    Variant("torchrun + torch.save/torch.load (local disk), replacement "
-                            "started at the kill", torchrun=True)]
-        phases = ("detection", "rendezvous", "transfer", "load + first step", "total")
-        for nodes in args.hosts:
-            rows = []
-            results: dict[str, list[dict[str, float]]] = {v.name: [] for v in variants}
-            with EtcdServer() as etcd:
-                for _ in range(args.repeat):
-                    for variant in variants:  # interleaved
-                        results[variant.name].append(host_loss(variant, nodes, etcd))
-            baseline = statistics.median(r["total"] for r in results[variants[-1].name])
-            for name, runs in results.items():
-                medians = {k: statistics.median(r[k] for r in runs) if k in runs[0] else None
-                           for k in phases}
-                redone = statistics.median(r["steps redone"] for r in runs)
-                rows.append([name, f"{redone:g}",
-                             *(f"{v:.2f} s" if v is not None else "-" for v in medians.values()),
-                             f"{baseline / medians['total']:.1f}x"])  # type: ignore[operator]
-            out += [f"3. host loss -> first completed step after restore ({nodes} hosts x 1 "
-                    f"worker, {' '.join(LOSS_MODEL)}: about 250 MiB of state per host; "
-                    f"etcd-v3 rendezvous for gemini, c10d for torchrun; {IDLE} s idle per "
-                    "step)", "",
-                    table(["restore from", "steps redone", *phases, "speed-up vs torchrun"],
-                          rows), ""]
-            flush()
-
-    if "4" not in skip:
-        from etcd_server import EtcdServer
-
-        rows = []
-        two: float | None = None
-        for nodes in args.scaling:
-            runs = []
-            with EtcdServer() as etcd:
-                for _ in range(args.repeat):
-                    runs.append(host_loss(Variant("kill"), nodes, etcd, model=[],
-                                          until_known=True))
-            first = statistics.median(r["first knows"] for r in runs)
-            every = statistics.median(r["every supervisor knows"] for r in runs)
-            two = every if two is None else two
-            rows.append([str(nodes), f"{first:.2f} s", f"{every:.2f} s", f"{every / two:.2f}x"])
-        out += ["4. host kill -> every surviving supervisor knows (1 worker per host, the "
-                "example's default model; no replacement)", "",
-                table(["hosts", "first knows", "every supervisor knows",
-                       f"vs {args.scaling[0]} hosts"], rows), ""]
-    flush()
+    print(f"machine: {machine()}\nmedians of {args.repeat} runs\n", flush=True)
+    parts = {"1": throughput, "2": slowdown, "3": host_loss_tables, "4": scaling}
+    for part, run in parts.items():
+        if part not in skip:
+            for lines in run(args):
+                print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
