@@ -112,6 +112,7 @@ class CoordinationService:
         self._campaigning = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()  # publish the record now, not at the next beat
+        self._reserving: threading.Thread | None = None  # see _reserve_ahead
         self._lease: Lease = store.grant_lease(ttl)
         self._keeper: KeepAlive = store.keep_alive(self._lease)
         self._register()
@@ -356,15 +357,38 @@ class CoordinationService:
                     self._keeper = self.store.keep_alive(self._lease)
                     self.is_root = False
                     self._register()
+                slot_bytes = self.owner.own_slot_bytes()
                 with self._lock:
                     self._record["heartbeat"] = time.time()
+                    if slot_bytes:
+                        self._record["slot_bytes"] = slot_bytes
+                    waiting = self._record["state"] == "waiting"
                     record = _dump(self._record)
                 self.store.put(self.prefix + f"hosts/{self.host_id}", record)
+                if waiting:
+                    self._reserve_ahead()
                 self._publish_steps()
                 self._flush()
                 self._campaign()
             except StoreError as exc:
                 logger.warning("coordination store unavailable, retrying: %s", exc)
+
+    def _reserve_ahead(self) -> None:
+        """A host waiting while others run (a spare) allocates and pre-faults the slots
+        of the ranks it may take over, as large as the largest slot of a running host,
+        in the background: when it replaces a lost host, its pull and its workers' first
+        saves then write into memory that is already there."""
+        if self._reserving is not None and self._reserving.is_alive():
+            return
+        nbytes = max((int(record.get("slot_bytes") or 0)
+                      for value in self.store.get_prefix(self.prefix + "hosts/").values()
+                      if (record := _parse_record(value)).get("state") == "running"), default=0)
+        if nbytes <= 0:
+            return
+        self._reserving = threading.Thread(
+            target=self.owner.reserve, args=(2 * self.owner.local_world_size, nbytes),
+            name="gemini-reserve", daemon=True)
+        self._reserving.start()
 
     def _publish_steps(self) -> None:
         persisted = self.persist_status() if self.persist_status is not None else {}

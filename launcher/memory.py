@@ -410,6 +410,30 @@ def attach_segment(name: str, *, populate: bool = True) -> Segment:
     return Segment(name, fd, os.fstat(fd).st_size, populate=populate)
 
 
+def reserve_name(prefix: str, index: int) -> str:
+    """Name of a reserved segment: allocated and pre-faulted, not yet a slot."""
+    return f"{prefix}v{index}"
+
+
+def take_reserved(reserved: str, name: str, size: int) -> Segment:
+    """Turn the reserved segment ``reserved`` (at least ``size`` bytes) into the segment
+    ``name`` of ``size`` bytes (replacing any old file of that name) without allocating
+    its pages again."""
+    where = shm_dir()
+    try:
+        fd = os.open(where / reserved, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise StorageError(f"cannot open the reserved segment {reserved}: "
+                           f"{exc.strerror}") from None
+    try:
+        os.ftruncate(fd, size)  # a shorter file gives its tail pages back
+        os.rename(where / reserved, where / name)
+    except OSError as exc:
+        os.close(fd)
+        raise StorageError(f"cannot turn {reserved} into {name}: {exc.strerror}") from None
+    return Segment(name, fd, size, populate=False)
+
+
 def unlink_segment(name: str) -> None:
     """Remove a segment (idempotent); mappings stay valid until unmapped."""
     (shm_dir() / name).unlink(missing_ok=True)

@@ -78,6 +78,9 @@ class SlotOwner:
         self._replicas: dict[int, list[memory.Segment | None]] = {}  # copies for peer hosts
         self._pins: dict[int, int] = {}  # rank -> the replica step no write may overwrite
         self._own_pins: dict[int, memory.Segment] = {}  # rank -> its pins (memory.PINS)
+        self._reserved: list[tuple[str, int]] = []  # (name, bytes): see reserve()
+        self._reserve_names = 0  # reserved segments ever made: each gets a new name
+        self._reserving = threading.Lock()
         self.copies = 1
         """Copies of each rank's checkpoint this host keeps: its own ranks' and, with
         replication, those of the peers it holds replicas for (placement's m)."""
@@ -155,6 +158,9 @@ class SlotOwner:
             self._slots.clear()
             self._replicas.clear()
             self._own_pins.clear()
+            for name, _ in self._reserved:  # they hold nothing: never kept
+                memory.unlink_segment(name)
+            self._reserved.clear()
             if self._keep:
                 return
             for name in memory.list_segments(self.prefix):
@@ -191,10 +197,44 @@ class SlotOwner:
                 old.close()
                 pair[i] = None
             name = memory.slot_name(self.prefix, rank, i, replica=replica)
-            segment = memory.create_segment(name, nbytes)
+            reserved = next((r for r in self._reserved if r[1] >= nbytes), None)
+            if reserved is not None:
+                self._reserved.remove(reserved)
+                segment = memory.take_reserved(reserved[0], name, nbytes)
+            else:
+                segment = memory.create_segment(name, nbytes)
             memory.init_header(segment.view, rank=rank, run_id=self.run_id)
             pair[i] = segment
         return pair
+
+    def reserve(self, count: int, nbytes: int) -> int:
+        """Allocate and pre-fault ``count`` segments of ``nbytes`` ahead of need (a spare
+        host, for the slots of the ranks it will take over), as far as shared memory
+        allows; the slots created next take them instead of allocating. Returns how many
+        are reserved now. Slow (page allocation): call it off the recovery path."""
+        with self._reserving:
+            with self._lock:
+                have = sum(1 for r in self._reserved if r[1] >= nbytes)
+            for _ in range(count - have):
+                if memory.shm_free_bytes() < 2 * nbytes:
+                    break  # room stays for what the job itself needs first
+                self._reserve_names += 1
+                name = memory.reserve_name(self.prefix, self._reserve_names)
+                try:
+                    memory.create_segment(name, nbytes).close()
+                except StorageError as exc:
+                    logger.info("cannot reserve shared memory ahead: %s", exc)
+                    break
+                with self._lock:
+                    self._reserved.append((name, nbytes))
+            with self._lock:
+                return sum(1 for r in self._reserved if r[1] >= nbytes)
+
+    def own_slot_bytes(self) -> int:
+        """The size of this host's largest own slot (0 before any)."""
+        with self._lock:
+            return max((seg.size for pair in self._slots.values() for seg in pair
+                        if seg is not None), default=0)
 
     def write_target(self, rank: int, nbytes: int, *, replica: bool) -> memory.Segment:
         """The slot of ``rank`` that a copy from elsewhere (a peer, a file) may overwrite:
@@ -319,7 +359,7 @@ class SlotOwner:
                         nbytes: int) -> None:
         released = sum(seg.size for i in grow if (seg := pair[i]) is not None)
         need_now = len(grow) * nbytes - released
-        free = memory.shm_free_bytes()
+        free = memory.shm_free_bytes() + sum(size for _, size in self._reserved)
         if need_now > free:
             raise StorageError(self._too_small(nbytes, free))
 

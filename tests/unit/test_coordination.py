@@ -105,3 +105,35 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
         for service, owner in hosts.values():
             service.close()
             owner.close()
+
+
+def test_a_spare_reserves_the_slots_of_the_ranks_it_may_take_over(tmp_path: Path) -> None:
+    """A running host publishes the size of its largest slot; a host that waits (a
+    spare) reserves two segments of that size per local rank, within a heartbeat."""
+    from launcher import memory
+    from launcher.coordination import CoordinationService
+    from launcher.slots import SlotOwner
+    from launcher.store import open_store
+
+    url = f"embedded://{tmp_path / 'store.db'}"
+    run_id = f"reserve-{tmp_path.name}"
+    running_owner = SlotOwner(run_id=run_id, host_id="h0", local_world_size=2)
+    spare_owner = SlotOwner(run_id=run_id, host_id="spare", local_world_size=2)
+    running = CoordinationService(open_store(url), run_id=run_id, host_id="h0",
+                                  owner=running_owner, ttl=1.0)
+    spare = CoordinationService(open_store(url), run_id=run_id, host_id="spare",
+                                owner=spare_owner, ttl=1.0)
+    try:
+        running_owner.allocate(0, 3 << 20)
+        running.describe(state="running")
+        deadline = time.monotonic() + 10
+        while spare_owner.reserve(0, 3 << 20) < 4:  # counts what is reserved, adds none
+            assert time.monotonic() < deadline, "the spare reserved nothing"
+            time.sleep(0.05)
+        names = [n for n in memory.list_segments(spare_owner.prefix)
+                 if memory.parse_slot_name(n) is None and not n.endswith(("owner", "p0"))]
+        assert len(names) == 4, names
+    finally:
+        for service, owner in ((running, running_owner), (spare, spare_owner)):
+            service.close()
+            owner.close()

@@ -820,3 +820,29 @@ def test_a_restore_that_could_not_be_brought_in_fails_the_worker_not_the_service
         ckpt.restore()
     ckpt.close()
     assert waited == [0] and supervisor.fatal is None
+
+
+def test_reserved_segments_become_slots_without_allocating_again() -> None:
+    """A spare reserves segments ahead; the slots made next take them (same file: its
+    inode moves), as many as were reserved, with the size they ask for; the rest are
+    created as usual, and closing the owner removes what was left unused."""
+    owner = SlotOwner(run_id="reserve", host_id="h0", local_world_size=1)
+    try:
+        assert owner.reserve(3, 1 << 20) == 3
+        assert owner.reserve(3, 1 << 20) == 3  # enough already: none more
+        where = memory.shm_dir()
+        reserved = sorted(n for n in memory.list_segments(owner.prefix)
+                          if memory.parse_slot_name(n) is None and n.endswith(("v1", "v2", "v3")))
+        assert len(reserved) == 3
+        inodes = {os.stat(where / n).st_ino for n in reserved}
+        names = owner.allocate(0, 1 << 19)
+        assert {os.stat(where / n).st_ino for n in names} <= inodes
+        assert all(os.stat(where / n).st_size == 1 << 19 for n in names)
+        bigger = owner.allocate(1, 1 << 20, replica=True)
+        stats = [os.stat(where / n) for n in bigger]
+        assert sum(s.st_ino in inodes for s in stats) == 1  # one reserve left, one new
+        assert all(s.st_size == 1 << 20 for s in stats)
+        assert owner.own_slot_bytes() == 1 << 19
+    finally:
+        owner.close()
+    assert memory.list_segments(owner.prefix) == []
