@@ -18,6 +18,13 @@ runs while the loop waits (for its peers, or in the optimizer's pre-step hook).
 ``extra`` maps names to objects with ``state_dict``/``load_state_dict`` (LR schedulers,
 samplers, ...), which are restored in place, or to plain values (ints, floats, strings,
 lists, dicts, tensors), which ``restore`` writes back into the same ``extra`` dict.
+A torch.distributed.checkpoint ``Stateful`` app state (what DCP users and torchtitan
+pass to ``dcp.save``) is such an object and may stand in for ``model`` and
+``optimizer``: ``Checkpointer(extra={"app": app_state})``. Its tensors that are
+parameters or optimizer states (of the optimizers passed, among the ``extra`` values,
+or held by them) are copied in the background like the model's, since those optimizers'
+steps wait for the copy; its other tensors are copied at ``save``. DTensors (FSDP2's
+``get_state_dict``) are rebuilt on the meshes of the live state.
 
 The state-tree codec (``launcher.codec``), the copy engine (``launcher.copier``) and the
 restart prefetch (``launcher.prefetch``) are modules of their own; the hook shares only
@@ -134,6 +141,39 @@ def _after_first_step(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None
     return after
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    """The address of the memory behind ``tensor`` (a DTensor's: its local shard's)."""
+    local = tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
+    return int(local.untyped_storage().data_ptr())
+
+
+def _has_tensors(tree: Any) -> bool:
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False
+
+
+def _clone_unguarded(tree: Any, guarded: set[int]) -> Any:
+    """``tree`` with its tensors cloned, except those on ``guarded`` storages (parameters
+    and optimizer states: the copy thread reads them before the next optimizer step)."""
+    if isinstance(tree, torch.Tensor):
+        return tree if _storage(tree) in guarded else tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _clone_unguarded(v, guarded) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_clone_unguarded(v, guarded) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_clone_unguarded(v, guarded) for v in tree)
+    return tree
+
+
 def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None))
@@ -194,8 +234,8 @@ class Checkpointer:
         _die_with_supervisor()
         prefetch.prefetch()  # a worker not started from a standby begins it here
         self._attach_heartbeat()
-        if optimizer is not None:
-            optimizer.register_step_pre_hook(self._before_optimizer_step)
+        for guarded in self._optimizers():
+            guarded.register_step_pre_hook(self._before_optimizer_step)
         atexit.register(self.close)
 
     # -- public API -----------------------------------------------------------------------
@@ -376,13 +416,42 @@ class Checkpointer:
                 optimizer["param_groups"] = clone_tensors(optimizer["param_groups"])
             state["optimizer"] = optimizer
         extra: dict[str, Any] = {}
+        guarded: set[int] | None = None  # found at the first tensor of an extra value
         for key, value in self.extra.items():
-            if _stateful(value):
-                extra[key] = clone_tensors(value.state_dict())
-            else:
-                extra[key] = clone_tensors(value)
+            tree = value.state_dict() if _stateful(value) else value
+            if guarded is None and _has_tensors(tree):
+                guarded = self._guarded_storages()
+            extra[key] = clone_tensors(tree) if not guarded else _clone_unguarded(tree, guarded)
         state["extra"] = extra
         return state
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose step must wait for a pending copy: ``optimizer``, and those
+        among the ``extra`` values or their attributes (a DCP ``Stateful`` app state that
+        holds the model and optimizer, torchtitan's optimizer container)."""
+        found: dict[int, torch.optim.Optimizer] = {}
+        candidates = [self.optimizer, *self.extra.values()]
+        for value in self.extra.values():
+            members = getattr(value, "__dict__", {}).values()
+            for member in members:
+                candidates.extend(member if isinstance(member, (list, tuple)) else [member])
+        for candidate in candidates:
+            if isinstance(candidate, torch.optim.Optimizer):
+                found.setdefault(id(candidate), candidate)
+        return list(found.values())
+
+    def _guarded_storages(self) -> set[int]:
+        """The storages that change only in an optimizer step, which waits for the copy:
+        the parameters and optimizer states of :meth:`_optimizers` and of ``model``."""
+        tensors: list[torch.Tensor] = []
+        if self.model is not None:
+            tensors.extend(self.model.parameters())
+        for optimizer in self._optimizers():
+            for group in optimizer.param_groups:
+                tensors.extend(group["params"])
+            for per_param in optimizer.state.values():
+                tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
+        return {_storage(t) for t in tensors}
 
     def _load(self, segment: memory.Segment, meta: dict[str, Any], step: int,
               prefetched: dict[int, torch.Tensor]) -> None:
@@ -394,10 +463,13 @@ class Checkpointer:
                     frozenset(map(id, prefetched.values())))
 
     def _live_meshes(self) -> dict[str, Any]:
+        """The device meshes the saved DTensors are rebuilt on: those of the model, the
+        optimizer, and the ``extra`` values (a Stateful's current state dict)."""
         return live_meshes(
             [*self.model.parameters(), *self.model.buffers()] if self.model is not None else [],
             [g["params"] for g in self.optimizer.param_groups]
-            if self.optimizer is not None else [])
+            if self.optimizer is not None else [],
+            [value.state_dict() if _stateful(value) else value for value in self.extra.values()])
 
     def _load_resharded(self, step: int, world: int) -> None:
         """Load ``step`` written by a world of ``world`` ranks into this rank's shards:

@@ -99,11 +99,15 @@ def test_kill_resumes_bitwise(tmp_path: Path, reference: dict, kills: list[str],
     _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
-def test_fsdp2_sharded_state_resumes_bitwise(tmp_path: Path) -> None:
+@pytest.mark.parametrize("given", ["model and optimizer", "DCP app state"])
+def test_fsdp2_sharded_state_resumes_bitwise(tmp_path: Path, given: str) -> None:
     """FSDP2 (fully_shard, gloo, CPU): parameters and optimizer state are DTensors, each
     rank saving its shard (33 rows split 17/16); a rank killed after step 4 resumes at 5,
-    and the full state at the end equals that of a run without failure."""
-    script = [str(SCRIPTS / "train_fsdp.py"), "--steps", "8"]
+    and the full state at the end equals that of a run without failure. The Checkpointer
+    is given the model and optimizer, or only a torch.distributed.checkpoint ``Stateful``
+    app state (``get_state_dict``/``set_state_dict``), as DCP users and torchtitan do."""
+    script = [str(SCRIPTS / "train_fsdp.py"), "--steps", "8",
+              *(["--app-state"] if given == "DCP app state" else [])]
     ref = run([*GEMINI, "run", "--nproc-per-node", "2", *script, "--out",
                str(tmp_path / "ref.pt")], env=env_with(tmp_path), timeout=180)
     assert ref.returncode == 0, ref.output[-3000:]

@@ -7,6 +7,9 @@ Checkpointer: its model and optimizer state are DTensors sharded across the rank
   --dump DIR         rank 0 writes the full state before each save as DIR/saved-W-STEP.pt
                      (W: the world size) and right after a restore as DIR/restored-W-S.pt
   --sleep SECONDS    pause after each step
+  --app-state        hand the Checkpointer only a torch.distributed.checkpoint Stateful
+                     app state (get_state_dict/set_state_dict), as DCP users and
+                     torchtitan do, instead of the model and optimizer
 Prints "resume rank=R start=S attempt=A world=W" and "step N" (rank 0).
 """
 
@@ -18,6 +21,8 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 
 from launcher import Checkpointer
@@ -28,6 +33,7 @@ p.add_argument("--kill", default="")
 p.add_argument("--out", default="")
 p.add_argument("--dump", default="")
 p.add_argument("--sleep", type=float, default=0.0)
+p.add_argument("--app-state", action="store_true")
 args = p.parse_args()
 
 
@@ -57,7 +63,27 @@ for layer in model:
         fully_shard(layer)
 fully_shard(model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-ckpt = Checkpointer(model=model, optimizer=opt)
+
+
+class AppState(Stateful):
+    """The app state of torch.distributed.checkpoint's FSDP2 recipe."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optimizer_state}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+
+if args.app_state:
+    ckpt = Checkpointer(extra={"app": AppState(model, opt)})
+else:
+    ckpt = Checkpointer(model=model, optimizer=opt)
 start = ckpt.restore()
 world = dist.get_world_size()
 print(f"resume rank={rank} start={start} attempt={attempt} world={world}", flush=True)
