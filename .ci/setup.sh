@@ -34,7 +34,7 @@ if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split(
     "${PIP[@]}" install "torch==$TORCH_VERSION"
 fi
 EXTRAS=""
-[ "$WHAT" = test ] && EXTRAS="[test]"
+[ "$WHAT" = test ] && EXTRAS="[test,frameworks]"
 say "installing gemini (editable) and its dependencies"
 "${PIP[@]}" install numpy -e "$ROOT$EXTRAS"
 

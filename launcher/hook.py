@@ -147,6 +147,14 @@ def _storage(tensor: torch.Tensor) -> int:
     return int(local.untyped_storage().data_ptr())
 
 
+def _members(obj: Any) -> list[Any]:
+    """The attribute values of ``obj``, the items of those that are lists or tuples."""
+    found: list[Any] = []
+    for member in getattr(obj, "__dict__", {}).values():
+        found.extend(member if isinstance(member, (list, tuple)) else [member])
+    return found
+
+
 def _has_tensors(tree: Any) -> bool:
     stack = [tree]
     while stack:
@@ -234,8 +242,8 @@ class Checkpointer:
         _die_with_supervisor()
         prefetch.prefetch()  # a worker not started from a standby begins it here
         self._attach_heartbeat()
-        for guarded in self._optimizers():
-            guarded.register_step_pre_hook(self._before_optimizer_step)
+        self._hooked: set[int] = set()  # ids of the optimizers whose steps wait for copies
+        self._hook_optimizers()
         atexit.register(self.close)
 
     # -- public API -----------------------------------------------------------------------
@@ -324,6 +332,7 @@ class Checkpointer:
                 logger.info("gemini: rank %d skips saves while both its slots hold steps "
                             "that replication keeps (step %d first)", self.rank, step)
             return
+        self._hook_optimizers()
         state = self._capture()
         ready = None  # where the training stream stands: the GPU copies start there
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
@@ -426,19 +435,27 @@ class Checkpointer:
         return state
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
-        """The optimizers whose step must wait for a pending copy: ``optimizer``, and those
-        among the ``extra`` values or their attributes (a DCP ``Stateful`` app state that
-        holds the model and optimizer, torchtitan's optimizer container)."""
+        """The optimizers whose step must wait for a pending copy: ``optimizer``, those
+        among the ``extra`` values or held by them (a DCP ``Stateful`` app state that holds
+        the model and optimizer), and those such an optimizer wraps (accelerate's
+        ``AcceleratedOptimizer``, torchtitan's container)."""
         found: dict[int, torch.optim.Optimizer] = {}
         candidates = [self.optimizer, *self.extra.values()]
-        for value in self.extra.values():
-            members = getattr(value, "__dict__", {}).values()
-            for member in members:
-                candidates.extend(member if isinstance(member, (list, tuple)) else [member])
-        for candidate in candidates:
-            if isinstance(candidate, torch.optim.Optimizer):
-                found.setdefault(id(candidate), candidate)
+        candidates += [member for value in self.extra.values() for member in _members(value)]
+        while candidates:
+            candidate = candidates.pop()
+            if isinstance(candidate, torch.optim.Optimizer) and id(candidate) not in found:
+                found[id(candidate)] = candidate
+                candidates.extend(_members(candidate))
         return list(found.values())
+
+    def _hook_optimizers(self) -> None:
+        """Make the step of every optimizer of :meth:`_optimizers` wait for the copy (again
+        at each save: a Stateful may be given its optimizer after the Checkpointer)."""
+        for optimizer in self._optimizers():
+            if id(optimizer) not in self._hooked:
+                self._hooked.add(id(optimizer))
+                optimizer.register_step_pre_hook(self._before_optimizer_step)
 
     def _guarded_storages(self) -> set[int]:
         """The storages that change only in an optimizer step, which waits for the copy:

@@ -1,0 +1,167 @@
+"""In-memory checkpoints for a Hugging Face ``transformers.Trainer``, in one line::
+
+    from launcher.integrations.huggingface import gemini_trainer
+
+    trainer = gemini_trainer(Trainer(model=model, args=args, train_dataset=data))
+    trainer.train()
+
+Every ``every`` optimizer steps (default 1), right where the Trainer would write one of
+its own checkpoints (after the step's log entry), gemini saves what that checkpoint
+holds into its memory tier: the model's state dict, the optimizer's and the LR
+scheduler's, the ``TrainerState`` (global step, epoch, log history, the callbacks'
+state) and the random states (Python, NumPy, torch, CUDA), in the Trainer's own
+formats. Parameters and optimizer state are copied in the background; the optimizer's
+next step waits for the copy.
+
+When the worker restarts (under ``gemini run``), ``train()`` called without
+``resume_from_checkpoint`` resumes from the step in memory: that step is written as a
+Trainer checkpoint directory (a private temporary directory in /dev/shm, removed after
+the first step) and handed to the Trainer's own resume, which reloads it and
+fast-forwards the data loader to the next batch, as ``resume_from_checkpoint`` does.
+The Trainer is not changed: gemini wraps its ``train`` and its per-step log / save /
+evaluate on this instance (a ``TrainerCallback`` sees neither the Trainer nor the end
+of that step, and cannot choose where ``train`` resumes). The Trainer's own checkpoints
+(``save_strategy``) keep working beside gemini's, and an explicit
+``resume_from_checkpoint`` wins.
+
+Not saved: a gradient scaler's state (mixed precision on GPUs; its scale re-adapts within
+a few steps), and state the Trainer keeps only in its running process (the loss summed
+since the last log: with ``logging_steps`` > 1 the first logged loss after a resume
+averages fewer steps, as after the Trainer's own resume). DeepSpeed and FSDP engines
+(the Trainer's ``fsdp``/``deepspeed`` arguments) save their state their own way and are
+refused.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from launcher.hook import Checkpointer
+
+WEIGHTS = "pytorch_model.bin"
+OPTIMIZER = "optimizer.pt"
+SCHEDULER = "scheduler.pt"
+TRAINER_STATE = "trainer_state.json"
+
+
+class _TrainerSnapshot:
+    """A ``Stateful`` over the Trainer's state, in the Trainer's own checkpoint formats;
+    it holds the optimizer so that the Checkpointer makes its steps wait for the copy."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self.trainer
+        if trainer is None or trainer.optimizer is None or trainer.lr_scheduler is None:
+            return {}  # before train() made them
+        return {
+            "model": trainer.model.state_dict(),
+            "optimizer": trainer.optimizer.state_dict(),
+            "scheduler": trainer.lr_scheduler.state_dict(),
+            "trainer_state": trainer.state.to_json_string(),
+            "rng": _bytes_tensor(_rng_states(trainer)),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = state
+
+
+class TrainerCheckpoints:
+    """Saves a Trainer's state into gemini's memory tier and resumes from it; made and
+    attached by :func:`gemini_trainer`."""
+
+    def __init__(self, every: int = 1) -> None:
+        if every < 1:
+            raise ValueError(f"every must be at least 1, not {every}")
+        self.every = every
+        self._snapshot = _TrainerSnapshot()
+        self._last = -1  # the global step saved last
+        self._resumed: Path | None = None  # the checkpoint directory written for a resume
+        self.checkpointer = Checkpointer(extra={"trainer": self._snapshot})
+
+    def attach(self, trainer: Any) -> None:
+        """Wrap ``trainer.train`` (resume from memory) and the Trainer's per-step log /
+        save / evaluate (save into memory after it)."""
+        args = trainer.args
+        if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
+            raise ValueError("gemini_trainer: DeepSpeed and FSDP through the Trainer save "
+                             "their state their own way; not supported")
+        self._snapshot.trainer = trainer
+        train, after_step = trainer.train, trainer._maybe_log_save_evaluate
+
+        def train_from_memory(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
+            if resume_from_checkpoint is None:
+                resume_from_checkpoint = self.resume_directory(trainer)
+            return train(resume_from_checkpoint, *a, **kw)
+
+        def save_after_step(*a: Any, **kw: Any) -> None:
+            after_step(*a, **kw)
+            if self._resumed is not None:  # the Trainer has loaded all of it by now
+                shutil.rmtree(self._resumed, ignore_errors=True)
+                self._resumed = None
+            step = trainer.state.global_step
+            if step != self._last and step % self.every == 0:
+                self._last = step
+                self._snapshot.optimizer = trainer.optimizer
+                self.checkpointer.save(step - 1)  # step s is the (s-1)th, counted from 0
+
+        trainer.train = train_from_memory
+        trainer._maybe_log_save_evaluate = save_after_step
+
+    def resume_directory(self, trainer: Any) -> str | None:
+        """Restore the step in memory, if any, and write it as a Trainer checkpoint
+        directory; its path, or None on a fresh start."""
+        if self.checkpointer.restore() == 0 or self._snapshot.loaded is None:
+            return None
+        state, self._snapshot.loaded = self._snapshot.loaded, None
+        self._last = json.loads(state["trainer_state"])["global_step"]
+        shm = Path("/dev/shm")
+        out = Path(tempfile.mkdtemp(prefix="gemini-hf-resume-",
+                                    dir=shm if shm.is_dir() else None))
+        self._resumed = out
+        torch.save(state["model"], out / WEIGHTS)
+        torch.save(state["optimizer"], out / OPTIMIZER)
+        torch.save(state["scheduler"], out / SCHEDULER)
+        (out / TRAINER_STATE).write_text(state["trainer_state"])
+        rng_name = (f"rng_state_{trainer.args.process_index}.pth" if trainer.args.world_size > 1
+                    else "rng_state.pth")
+        (out / rng_name).write_bytes(state["rng"].numpy().tobytes())
+        return str(out)
+
+
+def gemini_trainer(trainer: Any, *, every: int = 1) -> Any:
+    """Give ``trainer`` (a ``transformers.Trainer``) in-memory checkpoints every ``every``
+    optimizer steps and resume from memory after a restart; returns ``trainer``."""
+    TrainerCheckpoints(every).attach(trainer)
+    return trainer
+
+
+def _rng_states(trainer: Any) -> dict[str, Any]:
+    """The random states, as the Trainer saves them in ``rng_state*.pth``."""
+    import numpy as np
+
+    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                              "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        distributed = str(getattr(trainer.args.parallel_mode, "value", "")) == "distributed"
+        states["cuda"] = (torch.cuda.random.get_rng_state_all() if distributed
+                          else torch.cuda.random.get_rng_state())
+    return states
+
+
+def _bytes_tensor(value: Any) -> torch.Tensor:
+    """``value`` as ``torch.save`` writes it, in a tensor of bytes."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)

@@ -1,0 +1,47 @@
+"""gemini's checkpoints through the trainers people use (``launcher.integrations``): real
+packages (the ``frameworks`` extra), two workers under ``gemini run``, CPU and gloo; a
+worker is killed mid-run and the run resumes from memory."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import GEMINI, SCRIPTS, env_with, run
+
+pytestmark = pytest.mark.frameworks
+
+
+def _starts(stdout: str) -> dict[int, list[int]]:
+    """rank -> the global steps its attempts started from."""
+    found: dict[int, list[int]] = {}
+    for rank, step in re.findall(r"^resume rank=(\d+) from=(\d+)$", stdout, re.M):
+        found.setdefault(int(rank), []).append(int(step))
+    return found
+
+
+def test_a_hugging_face_trainer_resumes_from_memory(tmp_path: Path) -> None:
+    """transformers.Trainer (a tiny GPT-2, 12 steps over 1.5 epochs, dropout on) with
+    ``launcher.integrations.huggingface``: rank 1 is killed once step 5 is committed; both
+    ranks restart and the Trainer resumes at global step 5 from memory, without
+    ``resume_from_checkpoint``, mid-epoch. The final weights and every logged loss (the
+    restored log history, then the steps after the resume) equal an unfailed run's."""
+    script = [str(SCRIPTS / "train_hf.py"), "--steps", "12", "--output-dir",
+              str(tmp_path / "hf")]
+    ref = run([*GEMINI, "run", "--nproc-per-node", "2", *script, "--out",
+               str(tmp_path / "ref.pt")], env=env_with(tmp_path), timeout=300)
+    assert ref.returncode == 0, ref.output[-4000:]
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "1", *script,
+                "--kill", "1:5", "--out", str(tmp_path / "out.pt")],
+               env=env_with(tmp_path), timeout=300)
+    assert done.returncode == 0, done.output[-4000:]
+    assert _starts(done.stdout) == {0: [0, 5], 1: [0, 5]}, done.stdout[-3000:]
+    expected = torch.load(tmp_path / "ref.pt")
+    got = torch.load(tmp_path / "out.pt")
+    assert got["global_step"] == expected["global_step"] == 12
+    assert got["losses"] == expected["losses"] and sorted(got["losses"]) == list(range(1, 13))
+    assert sorted(got["weights"]) == sorted(expected["weights"])
+    for key, tensor in expected["weights"].items():
+        assert torch.equal(got["weights"][key], tensor), key
