@@ -242,7 +242,8 @@ class Checkpointer:
         _die_with_supervisor()
         prefetch.prefetch()  # a worker not started from a standby begins it here
         self._attach_heartbeat()
-        self._hooked: set[int] = set()  # ids of the optimizers whose steps wait for copies
+        self._hooked: set[int] = set()  # ids of the optimizers looked at by _hook_optimizers
+        self._waiting: list[torch.optim.Optimizer] = []  # ... whose steps wait for copies
         self._hook_optimizers()
         atexit.register(self.close)
 
@@ -455,15 +456,20 @@ class Checkpointer:
         for optimizer in self._optimizers():
             if id(optimizer) not in self._hooked:
                 self._hooked.add(id(optimizer))
-                optimizer.register_step_pre_hook(self._before_optimizer_step)
+                try:
+                    optimizer.register_step_pre_hook(self._before_optimizer_step)
+                except AttributeError:  # a wrapper that skipped Optimizer.__init__
+                    continue  # (accelerate's): the optimizer it wraps is found too
+                self._waiting.append(optimizer)
 
     def _guarded_storages(self) -> set[int]:
         """The storages that change only in an optimizer step, which waits for the copy:
-        the parameters and optimizer states of :meth:`_optimizers` and of ``model``."""
+        the parameters and optimizer states of the hooked optimizers, and ``model``'s
+        parameters."""
         tensors: list[torch.Tensor] = []
         if self.model is not None:
             tensors.extend(self.model.parameters())
-        for optimizer in self._optimizers():
+        for optimizer in self._waiting:
             for group in optimizer.param_groups:
                 tensors.extend(group["params"])
             for per_param in optimizer.state.values():

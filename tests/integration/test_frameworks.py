@@ -45,3 +45,25 @@ def test_a_hugging_face_trainer_resumes_from_memory(tmp_path: Path) -> None:
     assert sorted(got["weights"]) == sorted(expected["weights"])
     for key, tensor in expected["weights"].items():
         assert torch.equal(got["weights"][key], tensor), key
+
+
+def test_an_accelerate_loop_resumes_from_memory(tmp_path: Path) -> None:
+    """accelerate (a prepared model, optimizer, scheduler and data loader; dropout) with
+    ``launcher.integrations.accelerate``: rank 1 is killed once step 5 is committed; both
+    ranks resume at step 6 from memory, the loader fast-forwarded with
+    ``skip_first_batches``. The final weights and the losses of the steps after the
+    resume equal an unfailed run's."""
+    script = [str(SCRIPTS / "train_accelerate.py")]
+    ref = run([*GEMINI, "run", "--nproc-per-node", "2", *script, "--out",
+               str(tmp_path / "ref.pt")], env=env_with(tmp_path), timeout=300)
+    assert ref.returncode == 0, ref.output[-4000:]
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "1", *script,
+                "--kill", "1:5", "--out", str(tmp_path / "out.pt")],
+               env=env_with(tmp_path), timeout=300)
+    assert done.returncode == 0, done.output[-4000:]
+    starts = re.findall(r"^resume rank=(\d+) start=(\d+)$", done.stdout, re.M)
+    assert sorted(starts) == [("0", "0"), ("0", "6"), ("1", "0"), ("1", "6")], starts
+    expected, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
+    assert got["losses"] == {s: expected["losses"][s] for s in range(6, 12)}
+    for key, tensor in expected["weights"].items():
+        assert torch.equal(got["weights"][key], tensor), key

@@ -1,0 +1,68 @@
+"""A small model trained with Hugging Face accelerate (CPU, gloo under ``gemini run``),
+checkpointed through ``launcher.integrations.accelerate``: 12 steps over 1.5 epochs of a
+data loader prepared by the accelerator, with dropout (random state) and an LR schedule.
+
+  --kill RANK:STEP   SIGKILL rank RANK once step STEP is committed (first attempt only)
+  --out PATH         rank 0 writes the final weights and the losses by step
+Prints "resume rank=R start=S" (S: the first step this attempt runs).
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from launcher import Checkpointer
+from launcher.integrations.accelerate import accelerator_state
+
+p = argparse.ArgumentParser()
+p.add_argument("--kill", default="")
+p.add_argument("--out", default="")
+args = p.parse_args()
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+STEPS, PER_EPOCH = 12, 8
+
+accelerator = Accelerator(cpu=True)
+rank = accelerator.process_index
+set_seed(0)
+torch.use_deterministic_algorithms(True)
+model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
+                            torch.nn.Linear(32, 1))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+g = torch.Generator().manual_seed(0)
+dataset = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
+                                         torch.randn(64, 1, generator=g))
+data = torch.utils.data.DataLoader(dataset, batch_size=4)
+model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
+
+ckpt = Checkpointer(extra={"accelerator": accelerator_state(accelerator)})
+start = ckpt.restore()
+print(f"resume rank={rank} start={start}", flush=True)
+losses = {}
+kill = tuple(map(int, args.kill.split(":"))) if args.kill else None
+step = start
+while step < STEPS:
+    skip = step % PER_EPOCH
+    for inputs, targets in accelerator.skip_first_batches(data, skip) if skip else data:
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses[step] = accelerator.reduce(loss.detach(), "mean").item()
+        ckpt.save(step)
+        if kill == (rank, step) and attempt == 0:
+            ckpt.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        step += 1
+        if step == STEPS:
+            break
+ckpt.close()
+if rank == 0 and args.out:
+    torch.save({"weights": accelerator.unwrap_model(model).state_dict(), "losses": losses},
+               args.out)
+accelerator.end_training()
