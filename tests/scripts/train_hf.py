@@ -5,6 +5,10 @@
   --kill RANK:STEP   SIGKILL rank RANK once gemini committed global step STEP (first
                      attempt only)
   --out PATH         rank 0 writes the final weights and the logged losses (by step)
+  --mode MODE        gemini (default): in-memory checkpoints every step; none: without
+                     them; disk: the Trainer's own checkpoint every step instead
+  --n-embd, --n-layer  model size (benchmarks)
+Rank 0 prints "median_step_ms=X" at the end: the median wall time of a training step.
 Prints "resume rank=R from=S" at the start of training (S: the global step resumed).
 """
 
@@ -12,6 +16,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -23,6 +28,9 @@ p.add_argument("--steps", type=int, default=12)
 p.add_argument("--kill", default="")
 p.add_argument("--out", default="")
 p.add_argument("--output-dir", required=True)
+p.add_argument("--mode", choices=["gemini", "none", "disk"], default="gemini")
+p.add_argument("--n-embd", type=int, default=32)
+p.add_argument("--n-layer", type=int, default=2)
 args = p.parse_args()
 rank = int(os.environ.get("RANK", "0"))
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -41,12 +49,21 @@ class Samples(torch.utils.data.Dataset):
 
 
 class Probe(TrainerCallback):
-    """Says where training starts; kills this rank once step ``--kill`` is committed."""
+    """Says where training starts, times each step from its start to the next one's (its
+    checkpoint included), and kills this rank once step ``--kill`` is committed."""
+
+    def __init__(self) -> None:
+        self.began = 0.0
+        self.times: list[float] = []
 
     def on_train_begin(self, args_, state, control, **kwargs):
         print(f"resume rank={rank} from={state.global_step}", flush=True)
 
     def on_step_begin(self, args_, state, control, **kwargs):
+        now = time.perf_counter()
+        if self.began:
+            self.times.append(now - self.began)
+        self.began = now
         if args.kill and attempt == 0:
             who, step = map(int, args.kill.split(":"))
             if who == rank and state.global_step == step:
@@ -56,14 +73,21 @@ class Probe(TrainerCallback):
 
 training = TrainingArguments(
     output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4,
-    learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", seed=0,
+    learning_rate=1e-3, logging_steps=1, report_to="none", seed=0,
+    save_strategy="steps" if args.mode == "disk" else "no", save_steps=1,
     full_determinism=True, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
-config = GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+config = GPT2Config(vocab_size=97, n_positions=16, n_embd=args.n_embd, n_layer=args.n_layer,
+                    n_head=2)
 model = GPT2LMHeadModel(config)
-trainer = Trainer(model=model, args=training, train_dataset=Samples(), callbacks=[Probe()])
-checkpoints = TrainerCheckpoints()
-checkpoints.attach(trainer)
+probe = Probe()
+trainer = Trainer(model=model, args=training, train_dataset=Samples(), callbacks=[probe])
+if args.mode == "gemini":
+    checkpoints = TrainerCheckpoints()
+    checkpoints.attach(trainer)
 trainer.train()
+if rank == 0:
+    steps = sorted(probe.times)
+    print(f"median_step_ms={1e3 * steps[len(steps) // 2]:.2f}", flush=True)
 if rank == 0 and args.out:
     losses = {e["step"]: e["loss"] for e in trainer.state.log_history if "loss" in e}
     torch.save({"weights": trainer.model.state_dict(), "losses": losses,
