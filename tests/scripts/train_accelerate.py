@@ -4,12 +4,17 @@ data loader prepared by the accelerator, with dropout (random state) and an LR s
 
   --kill RANK:STEP   SIGKILL rank RANK once step STEP is committed (first attempt only)
   --out PATH         rank 0 writes the final weights and the losses by step
-Prints "resume rank=R start=S" (S: the first step this attempt runs).
+  --mode MODE        gemini (default): in-memory checkpoints every step; none: without
+                     them; disk: accelerator.save_state every step instead
+  --steps N, --width N  steps and hidden width (benchmarks)
+Prints "resume rank=R start=S" (S: the first step this attempt runs); rank 0 prints
+"median_step_ms=X" at the end (a step with its checkpoint).
 """
 
 import argparse
 import os
 import signal
+import time
 
 import torch
 from accelerate import Accelerator
@@ -21,16 +26,20 @@ from launcher.integrations.accelerate import accelerator_state
 p = argparse.ArgumentParser()
 p.add_argument("--kill", default="")
 p.add_argument("--out", default="")
+p.add_argument("--mode", choices=["gemini", "none", "disk"], default="gemini")
+p.add_argument("--steps", type=int, default=12)
+p.add_argument("--width", type=int, default=32)
+p.add_argument("--output-dir", default="")
 args = p.parse_args()
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-STEPS, PER_EPOCH = 12, 8
+STEPS = args.steps
 
 accelerator = Accelerator(cpu=True)
 rank = accelerator.process_index
 set_seed(0)
 torch.use_deterministic_algorithms(True)
-model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
-                            torch.nn.Linear(32, 1))
+model = torch.nn.Sequential(torch.nn.Linear(8, args.width), torch.nn.Tanh(),
+                            torch.nn.Dropout(0.1), torch.nn.Linear(args.width, 1))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
 g = torch.Generator().manual_seed(0)
@@ -39,22 +48,30 @@ dataset = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
 data = torch.utils.data.DataLoader(dataset, batch_size=4)
 model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
 
-ckpt = Checkpointer(extra={"accelerator": accelerator_state(accelerator)})
+PER_EPOCH = len(data)
+ckpt = Checkpointer(extra={"accelerator": accelerator_state(accelerator)}
+                    if args.mode == "gemini" else {})
 start = ckpt.restore()
 print(f"resume rank={rank} start={start}", flush=True)
 losses = {}
+times: list[float] = []
 kill = tuple(map(int, args.kill.split(":"))) if args.kill else None
 step = start
 while step < STEPS:
     skip = step % PER_EPOCH
     for inputs, targets in accelerator.skip_first_batches(data, skip) if skip else data:
+        began = time.perf_counter()
         loss = torch.nn.functional.mse_loss(model(inputs), targets)
         accelerator.backward(loss)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
         losses[step] = accelerator.reduce(loss.detach(), "mean").item()
-        ckpt.save(step)
+        if args.mode == "gemini":
+            ckpt.save(step)
+        elif args.mode == "disk":
+            accelerator.save_state(args.output_dir)
+        times.append(time.perf_counter() - began)
         if kill == (rank, step) and attempt == 0:
             ckpt.wait()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -62,6 +79,8 @@ while step < STEPS:
         if step == STEPS:
             break
 ckpt.close()
+if rank == 0:
+    print(f"median_step_ms={1e3 * sorted(times)[len(times) // 2]:.2f}", flush=True)
 if rank == 0 and args.out:
     torch.save({"weights": accelerator.unwrap_model(model).state_dict(), "losses": losses},
                args.out)
