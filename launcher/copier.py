@@ -9,6 +9,7 @@ pinned memory.
 from __future__ import annotations
 
 import ctypes
+import json
 import queue
 import threading
 from collections.abc import Callable
@@ -36,7 +37,7 @@ def slot_bytes(tensors: list[tuple[str, torch.Tensor]], tree_len: int) -> int:
 
 @dataclass
 class Layout:
-    """The placement of one state's tensors in one slot (see ``Checkpointer._layout_for``)."""
+    """The placement of one state's tensors in one slot (see :func:`plan_layout`)."""
 
     signature: tuple[Any, ...]
     segment: memory.Segment
@@ -56,6 +57,102 @@ class Layout:
     ptrs: list[int]  # each small tensor's address when its byte view was made (-1: none)
     meta_room: int  # bytes of the slot left for the metadata
     records_len: int  # bytes of the records in the metadata, with their checksums
+
+
+def plan_layout(segment: memory.Segment, tensors: list[tuple[str, torch.Tensor]],
+                signature: tuple[Any, ...]) -> Layout:
+    """Where each of ``tensors`` goes in ``segment``: the small CPU tensors first, back to
+    back (one checksum covers exactly them, copied in batches), then the others."""
+    sizes = [tensor_bytes(t) for _, t in tensors]
+    small = [0 < n <= memory.SMALL_TENSOR and t.device.type == "cpu"
+             and t.layout == torch.strided
+             for n, (_, t) in zip(sizes, tensors, strict=True)]
+    offsets, offset = [0] * len(tensors), 0
+    for first_pass in (True, False):
+        for i, nbytes in enumerate(sizes):
+            if small[i] == first_pass:
+                offsets[i] = offset
+                offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
+    small_at = [o for o, is_small in zip(offsets, small, strict=True) if is_small]
+    small_end = max((o + n for o, n, f in zip(offsets, sizes, small, strict=True) if f),
+                    default=0)
+    groups = _groups(small_at, small_end)
+    parts, where = _group_parts(groups, small_at,
+                                [n for n, f in zip(sizes, small, strict=True) if f])
+    buf = segment.view
+    layout = Layout(
+        signature=signature, segment=segment, data_len=offset, offsets=offsets,
+        nbytes=sizes, small=small, records=_records(tensors, offsets, small),
+        dsts=[torch.frombuffer(buf, dtype=t.dtype, count=t.numel(),
+                               offset=memory.HEADER_SIZE + o).view(t.shape)
+              for o, (_, t), f in zip(offsets, tensors, small, strict=True) if f],
+        block=(min(small_at, default=0), small_end), groups=groups,
+        blocks=[torch.frombuffer(buf, dtype=torch.uint8, count=end - small_at[lo],
+                                 offset=memory.HEADER_SIZE + small_at[lo])
+                for lo, _, end in groups],
+        parts=parts, where=where, ptrs=[-1] * len(small_at),
+        meta_room=segment.size - memory.HEADER_SIZE - offset, records_len=0)
+    layout.records_len = sum(len(r) + 1 if isinstance(r, str) else len(r[0]) + len(r[1]) + 19
+                             for r in layout.records)
+    return layout
+
+
+def _groups(small_at: list[int], small_end: int) -> list[tuple[int, int, int]]:
+    """Batches of the small tensors at ``small_at`` of about ``memory.COPY_CHUNK`` bytes,
+    each hashed from the cache right after it is copied: (first, last + 1, end offset),
+    in slot order."""
+    groups: list[tuple[int, int, int]] = []
+    first = 0
+    for i, start in enumerate(small_at):
+        if start - small_at[first] >= memory.COPY_CHUNK:
+            groups.append((first, i, start))
+            first = i
+    if small_at:
+        groups.append((first, len(small_at), small_end))
+    return groups
+
+
+def _group_parts(groups: list[tuple[int, int, int]], small_at: list[int],
+                 small_sizes: list[int]) -> tuple[list[list[torch.Tensor]], list[tuple[int, int]]]:
+    """Each group is copied by one ``torch.cat`` of byte views of its tensors (and zero
+    padding up to the next tensor's offset) into the group's bytes in the slot: one call
+    instead of a copy dispatch per tensor. The inputs of each group's cat (the tensors'
+    places are filled by the copy, with byte views made when a tensor's address changed),
+    and each small tensor's (group, index in its inputs)."""
+    parts: list[list[torch.Tensor]] = []
+    where: list[tuple[int, int]] = []
+    zeros = torch.zeros(memory.ALIGN, dtype=torch.uint8)
+    for g, (lo, hi, end) in enumerate(groups):
+        group: list[torch.Tensor] = []
+        for i in range(lo, hi):
+            where.append((g, len(group)))
+            group.append(zeros[:0])
+            pad = (small_at[i + 1] if i + 1 < hi else end) - small_at[i] - small_sizes[i]
+            if pad:
+                group.append(zeros[:pad])
+        parts.append(group)
+    return parts, where
+
+
+def _records(tensors: list[tuple[str, torch.Tensor]], offsets: list[int], small: list[bool]
+             ) -> list[str | tuple[str, str]]:
+    """The tensors' metadata JSON: runs of small tensors' records joined once, here; a
+    large tensor's split around its checksum, filled in by each copy."""
+    records: list[str | tuple[str, str]] = []
+    for (path, tensor), start, is_small in zip(tensors, offsets, small, strict=True):
+        record = json.dumps({"path": path, "dtype": str(tensor.dtype).split(".")[-1],
+                             "shape": list(tensor.shape), "offset": start,
+                             "nbytes": tensor_bytes(tensor), "device": str(tensor.device),
+                             "xxh3": None if is_small else "@"}, separators=(",", ":"))
+        if is_small:
+            if records and isinstance(records[-1], str):
+                records[-1] += "," + record
+            else:
+                records.append(record)
+        else:
+            head, tail = record.split('"@"')
+            records.append((head, tail))
+    return records
 
 
 class CopyWorker:

@@ -56,7 +56,6 @@ from launcher.codec import (
     live_meshes,
     reshard,
     slot_tensor,
-    tensor_bytes,
     unflatten,
 )
 from launcher.contract import (
@@ -67,7 +66,7 @@ from launcher.contract import (
     ENV_SOCKET,
     ENV_SUPERVISOR_PID,
 )
-from launcher.copier import META_FRAME, CopyWorker, Layout, slot_bytes
+from launcher.copier import META_FRAME, CopyWorker, Layout, plan_layout, slot_bytes
 from launcher.errors import CheckpointError, StorageError
 
 logger = logging.getLogger(__name__)
@@ -730,79 +729,10 @@ class Checkpointer:
         ) and tree_len + cached.records_len + META_FRAME <= cached.meta_room:
             return cached
         self._layouts[index] = None
-        sizes = [tensor_bytes(t) for _, t in tensors]
-        small = [0 < n <= memory.SMALL_TENSOR and t.device.type == "cpu"
-                 and t.layout == torch.strided
-                 for n, (_, t) in zip(sizes, tensors, strict=True)]
-        # Small tensors first, back to back: one checksum covers exactly them.
-        offsets, offset = [0] * len(tensors), 0
-        for first_pass in (True, False):
-            for i, nbytes in enumerate(sizes):
-                if small[i] == first_pass:
-                    offsets[i] = offset
-                    offset += (nbytes + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
         segment = self._slot_for(index, slot_bytes(tensors, tree_len))
         if any(t.is_cuda for _, t in tensors):
             self._pin(segment)
-        buf = segment.view
-        small_at = [o for o, is_small in zip(offsets, small, strict=True) if is_small]
-        small_end = max((o + n for o, n, f in zip(offsets, sizes, small, strict=True) if f),
-                        default=0)
-        # Batches of small tensors of about memory.COPY_CHUNK bytes: each is hashed from the cache
-        # right after it is copied. (first, last + 1, end offset), in slot order.
-        groups: list[tuple[int, int, int]] = []
-        first = 0
-        for i, start in enumerate(small_at):
-            if start - small_at[first] >= memory.COPY_CHUNK:
-                groups.append((first, i, start))
-                first = i
-        if small_at:
-            groups.append((first, len(small_at), small_end))
-        # Each group is copied by one torch.cat of byte views of its tensors (and zero
-        # padding up to the next tensor's offset) into the group's bytes in the slot: one
-        # call instead of a copy dispatch per tensor (about 40 us for the example's 116
-        # tensors, against 500 us). The byte views are made by the copy, when a tensor's
-        # address differs from the one its view was made for.
-        small_sizes = [n for n, f in zip(sizes, small, strict=True) if f]
-        parts: list[list[torch.Tensor]] = []
-        where: list[tuple[int, int]] = []
-        zeros = torch.zeros(memory.ALIGN, dtype=torch.uint8)
-        for g, (lo, hi, end) in enumerate(groups):
-            group: list[torch.Tensor] = []
-            for i in range(lo, hi):
-                where.append((g, len(group)))
-                group.append(zeros[:0])
-                pad = (small_at[i + 1] if i + 1 < hi else end) - small_at[i] - small_sizes[i]
-                if pad:
-                    group.append(zeros[:pad])
-            parts.append(group)
-        layout = Layout(
-            signature=signature, segment=segment, data_len=offset, offsets=offsets,
-            nbytes=sizes, small=small, records=[],
-            dsts=[torch.frombuffer(buf, dtype=t.dtype, count=t.numel(),
-                                   offset=memory.HEADER_SIZE + o).view(t.shape)
-                  for o, (_, t), f in zip(offsets, tensors, small, strict=True) if f],
-            block=(min(small_at, default=0), small_end), groups=groups,
-            blocks=[torch.frombuffer(buf, dtype=torch.uint8, count=end - small_at[lo],
-                                     offset=memory.HEADER_SIZE + small_at[lo])
-                    for lo, _, end in groups],
-            parts=parts, where=where, ptrs=[-1] * len(small_at),
-            meta_room=segment.size - memory.HEADER_SIZE - offset, records_len=0)
-        for (path, tensor), start, is_small in zip(tensors, offsets, small, strict=True):
-            record = json.dumps({"path": path, "dtype": str(tensor.dtype).split(".")[-1],
-                                 "shape": list(tensor.shape), "offset": start,
-                                 "nbytes": tensor_bytes(tensor), "device": str(tensor.device),
-                                 "xxh3": None if is_small else "@"}, separators=(",", ":"))
-            if is_small:  # runs of small tensors' records are joined once, here
-                if layout.records and isinstance(layout.records[-1], str):
-                    layout.records[-1] += "," + record
-                else:
-                    layout.records.append(record)
-            else:
-                head, tail = record.split('"@"')
-                layout.records.append((head, tail))
-        layout.records_len = sum(len(r) + 1 if isinstance(r, str) else len(r[0]) + len(r[1]) + 19
-                                 for r in layout.records)
+        layout = plan_layout(segment, tensors, signature)
         self._layouts[index] = layout
         return layout
 
