@@ -108,7 +108,8 @@ def live_meshes(*trees: Any) -> dict[str, Any]:
     return meshes
 
 
-def flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:
+# Complexity above 10: it runs at every save, so leaves are handled inline.
+def flatten(obj: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:  # noqa: C901
     """JSON-able skeleton of ``obj``; tensors are replaced by their index in ``tensors``.
 
     This runs at every save, so leaves (scalars and tensors, nearly every node) are handled

@@ -44,7 +44,8 @@ def _snapshot(segment: memory.Segment) -> SlotImage | None:
     return SlotImage(f"memory:{segment.name}", header, meta, copy)
 
 
-def open_checkpoint(run_id: str, *, rank: int = 0, step: int | None = None,
+# Complexity above 10: each tier in turn, with a reason for each miss.
+def open_checkpoint(run_id: str, *, rank: int = 0, step: int | None = None,  # noqa: C901
                     directory: Path | None = None) -> SlotImage:
     """The newest step (or ``step``) of ``rank`` that verifies: from this host's shared
     memory (the run's own slots, not replicas of peers), or from the persisted files under

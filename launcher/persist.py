@@ -721,7 +721,8 @@ class PersistWriter:
         return set(self._own)
 
     # -- one round --------------------------------------------------------------------------
-    def run_once(self) -> list[tuple[int, int]]:
+    # Complexity above 10: one pass of the writer: due ranks, write, publish.
+    def run_once(self) -> list[tuple[int, int]]:  # noqa: C901
         """Persist whatever is due now; return the (rank, step) pairs published. The thread
         calls this every ``poll_interval``; a caller may too (e.g. before shutting down)."""
         with self._lock:
