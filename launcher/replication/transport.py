@@ -935,13 +935,23 @@ class Client:
         self._secret = secret
         self._lock = threading.Lock()
         self._channel: _Channel | None = None
+        self._closes = 0  # close() calls: an operation that sees one fail does not retry
 
     @property
     def peer(self) -> str:
         return f"{self.address[0]}:{self.address[1]}"
 
     def close(self) -> None:
-        """Close the connection (idempotent); a later operation opens a new one."""
+        """Close the connection (idempotent), at once: an operation in flight fails now
+        instead of waiting out its timeout on a peer that stopped reading (a frozen host);
+        a later operation opens a new connection."""
+        self._closes += 1
+        channel = self._channel
+        if channel is not None:
+            try:
+                channel.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         with self._lock:
             self._drop()
 
@@ -951,6 +961,7 @@ class Client:
             self._channel = None
 
     def _call(self, op: Callable[[_Channel], Any]) -> Any:
+        closes = self._closes
         with self._lock:
             for attempt in range(2):
                 reused = self._channel is not None
@@ -963,7 +974,7 @@ class Client:
                     raise
                 except _Broken as exc:
                     self._drop()
-                    if reused and attempt == 0:
+                    if reused and attempt == 0 and self._closes == closes:
                         logger.debug("transport: reconnecting to %s: %s", self.peer, exc)
                         continue
                     raise ReplicationError(f"{self.peer}: {exc}") from None

@@ -645,3 +645,32 @@ def test_a_flood_of_bad_hellos_is_reported_in_a_few_lines(net: Net) -> None:
     time.sleep(0.2)
     assert 1 <= len(net.rejects) <= transport.REPORTS_PER_SOURCE, len(net.rejects)
     assert net.client(server).push(fill(net.a, 0, 1, random_data(10_000, 3))) == 1
+
+
+def test_closing_a_client_aborts_a_push_to_a_peer_that_stopped_reading(net: Net) -> None:
+    """A peer that stops reading mid-push (a frozen host; here its server waits on its
+    slot owner's lock) leaves the sender blocked until the client's timeout; closing the
+    client (a new round without that peer) ends the push at once, without a retry."""
+    server = net.server(timeout=60.0)
+    client = net.client(server, timeout=60.0)
+    assert client.push(fill(net.a, 0, 1, random_data(10_000, 3))) == 1  # connected
+    big = fill(net.a, 0, 2, random_data(64 << 20, 4))
+    outcome: list[BaseException | int] = []
+
+    def push() -> None:
+        try:
+            outcome.append(client.push(big))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with net.b._lock:  # the server cannot take a replica slot: it stops reading
+        pusher = threading.Thread(target=push, daemon=True)
+        pusher.start()
+        pusher.join(1.0)
+        assert pusher.is_alive() and outcome == []  # blocked on the peer
+        began = time.monotonic()
+        client.close()
+        pusher.join(30.0)
+        assert not pusher.is_alive() and time.monotonic() - began < 30  # not the 60 s timeout
+    assert len(outcome) == 1 and isinstance(outcome[0], ReplicationError), outcome
+    assert client.push(fill(net.a, 0, 3, random_data(10_000, 5))) == 3  # a new connection
