@@ -34,6 +34,7 @@ refused.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import random
@@ -60,6 +61,7 @@ class _TrainerSnapshot:
         self.trainer: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.loaded: dict[str, Any] | None = None
+        self._history: list[str] = []  # the log history's entries, encoded once each
 
     def state_dict(self) -> dict[str, Any]:
         trainer = self.trainer
@@ -69,9 +71,19 @@ class _TrainerSnapshot:
             "model": trainer.model.state_dict(),
             "optimizer": trainer.optimizer.state_dict(),
             "scheduler": trainer.lr_scheduler.state_dict(),
-            "trainer_state": trainer.state.to_json_string(),
+            "trainer_state": json.dumps(_trainer_state(trainer)),
+            "log_history": self._log_history(trainer.state.log_history),
             "rng": _bytes_tensor(_rng_states(trainer)),
         }
+
+    def _log_history(self, history: list[dict[str, Any]]) -> torch.Tensor:
+        """The log history as JSON, in a tensor of bytes; each entry is encoded once (the
+        history grows by a few entries a step, and a long run holds many)."""
+        if len(history) < len(self._history):  # a resume started it over
+            self._history = []
+        self._history += [json.dumps(entry) for entry in history[len(self._history):]]
+        text = ("[" + ",".join(self._history) + "]").encode()
+        return torch.frombuffer(bytearray(text), dtype=torch.uint8)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded = state
@@ -125,7 +137,9 @@ class TrainerCheckpoints:
         if self.checkpointer.restore() == 0 or self._snapshot.loaded is None:
             return None
         state, self._snapshot.loaded = self._snapshot.loaded, None
-        self._last = json.loads(state["trainer_state"])["global_step"]
+        trainer_state = json.loads(state["trainer_state"])
+        trainer_state["log_history"] = json.loads(state["log_history"].numpy().tobytes())
+        self._last = trainer_state["global_step"]
         shm = Path("/dev/shm")
         out = Path(tempfile.mkdtemp(prefix="gemini-hf-resume-",
                                     dir=shm if shm.is_dir() else None))
@@ -133,7 +147,7 @@ class TrainerCheckpoints:
         torch.save(state["model"], out / WEIGHTS)
         torch.save(state["optimizer"], out / OPTIMIZER)
         torch.save(state["scheduler"], out / SCHEDULER)
-        (out / TRAINER_STATE).write_text(state["trainer_state"])
+        (out / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
         rng_name = (f"rng_state_{trainer.args.process_index}.pth" if trainer.args.world_size > 1
                     else "rng_state.pth")
         (out / rng_name).write_bytes(state["rng"].numpy().tobytes())
@@ -145,6 +159,29 @@ def gemini_trainer(trainer: Any, *, every: int = 1) -> Any:
     optimizer steps and resume from memory after a restart; returns ``trainer``."""
     TrainerCheckpoints(every).attach(trainer)
     return trainer
+
+
+def _trainer_state(trainer: Any) -> dict[str, Any]:
+    """The Trainer's ``TrainerState`` as its checkpoint's ``trainer_state.json`` holds it,
+    without the log history: the stateful callbacks' states as of now, as the Trainer
+    records them when it saves."""
+    from transformers.trainer_callback import ExportableState
+
+    state = trainer.state
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+              if f.name != "log_history"}
+    callbacks: dict[str, Any] = {}
+    for callback in [*trainer.callback_handler.callbacks, trainer.control]:
+        if isinstance(callback, ExportableState):
+            name = type(callback).__name__
+            if name in callbacks:  # several of one kind: a list, as the Trainer keeps them
+                if not isinstance(callbacks[name], list):
+                    callbacks[name] = [callbacks[name]]
+                callbacks[name].append(callback.state())
+            else:
+                callbacks[name] = callback.state()
+    fields["stateful_callbacks"] = callbacks
+    return fields
 
 
 def _rng_states(trainer: Any) -> dict[str, Any]:

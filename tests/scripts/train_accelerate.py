@@ -45,7 +45,10 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 +
 g = torch.Generator().manual_seed(0)
 dataset = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
                                          torch.randn(64, 1, generator=g))
-data = torch.utils.data.DataLoader(dataset, batch_size=4)
+# Its own generator: a loader without one draws a seed from the global random state each
+# time it starts iterating, and the fast-forwarded loader of a resume starts once more.
+data = torch.utils.data.DataLoader(dataset, batch_size=4,
+                                   generator=torch.Generator().manual_seed(0))
 model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
 
 PER_EPOCH = len(data)

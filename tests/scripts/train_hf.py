@@ -19,7 +19,14 @@ import sys
 import time
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    set_seed,
+)
 
 from launcher.integrations.huggingface import TrainerCheckpoints
 
@@ -76,6 +83,7 @@ training = TrainingArguments(
     learning_rate=1e-3, logging_steps=1, report_to="none", seed=0,
     save_strategy="steps" if args.mode == "disk" else "no", save_steps=1,
     full_determinism=True, use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+set_seed(0)  # the model's initial weights
 config = GPT2Config(vocab_size=97, n_positions=16, n_embd=args.n_embd, n_layer=args.n_layer,
                     n_head=2)
 model = GPT2LMHeadModel(config)
