@@ -17,7 +17,7 @@ import os
 import socket
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -36,9 +36,12 @@ from launcher.events import EventLog, run_directory
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
-    from torch.distributed.elastic.agent.server.api import WorkerGroup
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+    from launcher.coordination import CoordinationService
     from launcher.elastic_agent import GeminiAgent
+    from launcher.heartbeat import HeartbeatService
     from launcher.slots import SlotOwner
     from launcher.store import Store as GeminiStore
     from launcher.tiers import MemoryService
@@ -171,22 +174,23 @@ def _handle_signals(names: str) -> None:
 
 def _launch(config: RunConfig, command: Command,
             extra_services: Sequence[SupervisorService]) -> None:
-    import torch.distributed.run as torchrun
-    from torch.distributed import DistError
-    from torch.distributed.elastic import events as torch_events
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import (
-        ChildFailedError,
-        get_error_handler,
-    )
-    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import _get_entrypoint_name
 
-    from launcher.config import default_store_url
-    from launcher.coordination import CoordinationService
-    from launcher.slots import SlotOwner
-    from launcher.standby import StandbyService
-    from launcher.store import open_store, watch_outages
+    launch_config, entrypoint, entry_args = _torchrun_config(config, command)
+    spec = _prepare_rendezvous(config, launch_config, entrypoint, entry_args)
+    host = _open_host(config, launch_config, spec.rdzv_handler, entry_args, extra_services)
+    os.environ[ENV_RUN_DIR] = str(host.run_dir)
+    os.environ[ENV_HOST_ID] = host.owner.host_id
+    os.environ[ENV_SUPERVISOR_PID] = str(os.getpid())  # see launcher.hook
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = launch_config.signals_to_handle
+    _run_agent(config, launch_config, spec, host,
+               entrypoint_name=_get_entrypoint_name(entrypoint, list(entry_args)))
+
+
+def _torchrun_config(config: RunConfig, command: Command) -> tuple[Any, Any, list[str]]:
+    """torchrun's launch config, entrypoint and its arguments, as ``torch.distributed.run``
+    builds them from the equivalent command line; its signals are handled from now on."""
+    import torch.distributed.run as torchrun
 
     args = torchrun.parse_args(torchrun_argv(config, command))  # type: ignore[no-untyped-call]
     _check_backend(args.rdzv_backend)
@@ -195,10 +199,17 @@ def _launch(config: RunConfig, command: Command,
     _handle_signals(launch_config.signals_to_handle)
     if not launch_config.run_id:
         launch_config.run_id = str(uuid.uuid4().int)
+    return launch_config, entrypoint, entry_args
+
+
+def _prepare_rendezvous(config: RunConfig, launch_config: Any, entrypoint: Any,
+                        entry_args: list[str]) -> Any:
+    """This host's WorkerSpec, with gemini's rendezvous settings (and its etcd backend)."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     from launcher.rendezvous import (
         STORE_TIMEOUT_KEY,
-        drop_gone_nodes,
         register,
         set_credentials,
         speed_up_rendezvous,
@@ -210,11 +221,57 @@ def _launch(config: RunConfig, command: Command,
         launch_config.rdzv_configs.setdefault(STORE_TIMEOUT_KEY, config.store_timeout)
         set_credentials(launch_config.rdzv_configs, config.store_credentials)
     try:
-        spec = _worker_spec(launch_config, entrypoint, tuple(entry_args))
+        return _worker_spec(launch_config, entrypoint, tuple(entry_args))
     except (RendezvousError, DistError) as exc:
         raise StoreError(f"rendezvous failed: {type(exc).__name__}: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"invalid rendezvous settings: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Host:
+    """What :func:`_open_host` opened for this host's run; :meth:`close` closes it all."""
+
+    run_dir: Path
+    """The run's directory: events and error files."""
+    owner: SlotOwner
+    """The owner of this host's checkpoint slots in shared memory."""
+    events: EventLog
+    """This host's JSON-lines events."""
+    coordination: CoordinationService
+    """Leases, lost hosts and holdings in the coordination store."""
+    memory: MemoryService
+    """The checkpoint tiers: memory, replication to peer hosts, persistence."""
+    services: tuple[SupervisorService, ...]
+    """Every service the agent runs, in the order they close: the heartbeats (if any;
+    first, so that no leaving host is pinged), coordination, the memory tiers, health,
+    the standby interpreters (if any), then the caller's."""
+    unwatch: Callable[[], None]
+    """Stops writing the store's outages as events."""
+
+    def close(self, *, wait: bool) -> None:
+        """Close everything; replication stops sending first (it uses the store, which
+        coordination closes), waiting for the sends under way when ``wait``."""
+        if self.memory.replication is not None:
+            self.memory.replication.stop_sending(wait=wait)
+        for service in self.services:
+            service.close()
+        self.unwatch()
+        self.events.close()
+
+
+def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
+               entry_args: list[str], extra_services: Sequence[SupervisorService]) -> _Host:
+    """Open this host's services for the run: the owner of its slots and its event log,
+    the coordination store, the memory tiers, health, heartbeats between hosts and standby
+    interpreters; what was opened is closed again when a later one fails."""
+    from launcher.config import default_store_url
+    from launcher.coordination import CoordinationService
+    from launcher.health import HealthService
+    from launcher.rendezvous import drop_gone_nodes
+    from launcher.slots import SlotOwner
+    from launcher.standby import StandbyService
+    from launcher.store import open_store, watch_outages
 
     run_dir = run_directory(config.run_root, launch_config.run_id)
     owner = SlotOwner(run_id=launch_config.run_id,
@@ -235,14 +292,22 @@ def _launch(config: RunConfig, command: Command,
                                            host_id=owner.host_id, owner=owner,
                                            ttl=config.host_ttl)
         services.append(coordination)
-        memory_service = _memory_service(config, launch_config, owner, events, store)
-        services.append(memory_service)
-        from launcher.health import HealthService
-
+        memory = _memory_service(config, launch_config, owner, events, store)
+        services.append(memory)
         services.append(HealthService(owner.prefix, launch_config.nproc_per_node,
                                       hang_timeout=config.hang_timeout, events=events))
-        if memory_service.persist is not None:
-            coordination.persist_status = memory_service.persist.status
+        if memory.persist is not None:
+            coordination.persist_status = memory.persist.status
+        if launch_config.max_nodes > 1:
+            print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
+            _describe_host(coordination, memory, rdzv_handler)
+            drop_gone_nodes(coordination.lost_nodes)
+            heartbeat = _heartbeat_service(config, coordination, memory, events)
+            if heartbeat is not None:
+                services.insert(0, heartbeat)  # closes first: no pings of leaving hosts
+        events.add_sink(coordination.record_event)
+        if config.standby:
+            services.append(StandbyService(launch_config.nproc_per_node, entry_args))
     except BaseException:
         for service in services:
             service.close()
@@ -250,25 +315,34 @@ def _launch(config: RunConfig, command: Command,
         unwatch()
         events.close()
         raise
-    if launch_config.max_nodes > 1:
-        print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
-        _describe_host(coordination, memory_service, spec.rdzv_handler)
-        drop_gone_nodes(coordination.lost_nodes)
-        replication = memory_service.replication
-        if replication is not None and config.heartbeat_timeout > 0:
-            from launcher.heartbeat import HeartbeatService
+    return _Host(run_dir=run_dir, owner=owner, events=events, coordination=coordination,
+                 memory=memory, services=(*services, *extra_services), unwatch=unwatch)
 
-            services.insert(0, HeartbeatService(  # closes first: no pings of leaving hosts
-                coordination, events, connect=replication.client,
-                timeout=config.heartbeat_timeout))
-    events.add_sink(coordination.record_event)
-    if config.standby:
-        services.append(StandbyService(launch_config.nproc_per_node, entry_args))
-    services += extra_services
-    os.environ[ENV_RUN_DIR] = str(run_dir)
-    os.environ[ENV_HOST_ID] = owner.host_id
-    os.environ[ENV_SUPERVISOR_PID] = str(os.getpid())  # see launcher.hook
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = launch_config.signals_to_handle
+
+def _heartbeat_service(config: RunConfig, coordination: CoordinationService,
+                       memory: MemoryService, events: EventLog) -> HeartbeatService | None:
+    """Heartbeats to the peer hosts' replication servers; None without replication or
+    with ``--heartbeat-timeout 0``."""
+    replication = memory.replication
+    if replication is None or config.heartbeat_timeout <= 0:
+        return None
+    from launcher.heartbeat import HeartbeatService
+
+    return HeartbeatService(coordination, events, connect=replication.client,
+                            timeout=config.heartbeat_timeout)
+
+
+def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
+               entrypoint_name: str) -> None:
+    """Run the agent until the job ends on this host and map how it ended to gemini's
+    errors; then shut the rendezvous down (not after a signal or a store outage: that
+    would close it for the hosts that go on, or for this run resumed later) and close
+    the host's services."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic import events as torch_events
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     error_handler = get_error_handler()
     error_handler.initialize()
@@ -281,33 +355,25 @@ def _launch(config: RunConfig, command: Command,
             start_method=launch_config.start_method,
             log_line_prefix_template=launch_config.log_line_prefix_template,
             shutdown_timeout=launch_config.shutdown_timeout,
-            events=events,
-            host_id=owner.host_id,
-            services=services,
-            lost_hosts=coordination.lost_hosts,
-            declare_dead=coordination.declare_dead,
-            forget=lambda: owner.discard_newer_than(-1),
+            events=host.events,
+            host_id=host.owner.host_id,
+            services=host.services,
+            lost_hosts=host.coordination.lost_hosts,
+            declare_dead=host.coordination.declare_dead,
+            forget=lambda: host.owner.discard_newer_than(-1),
         )
-        events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,
-                     nproc_per_node=launch_config.nproc_per_node,
-                     rdzv_backend=launch_config.rdzv_backend,
-                     max_restarts=launch_config.max_restarts,
-                     entrypoint=_get_entrypoint_name(entrypoint, list(entry_args)))
+        host.events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,
+                          nproc_per_node=launch_config.nproc_per_node,
+                          rdzv_backend=launch_config.rdzv_backend,
+                          max_restarts=launch_config.max_restarts, entrypoint=entrypoint_name)
         result = agent.run_job()
         if result is None:  # torch's graceful exit, or ours: the job ended without this host
             print("gemini: the rendezvous is closed: the job finished without needing this "
                   "host", file=sys.stderr, flush=True)
-            events.write("not_needed", fenced=agent.fenced)
+            host.events.write("not_needed", fenced=agent.fenced)
         torch_events.record(agent.get_event_succeeded(), launch_config.event_log_handler)
         if result is not None and result.is_failed():
-            failed = ChildFailedError(
-                name=_get_entrypoint_name(entrypoint, list(entry_args)),
-                failures=result.failures,
-            )
-            _, first = failed.get_first_failure()
-            if first.error_file != "<N/A>":
-                error_handler.dump_error_file(first.error_file, first.exitcode)
-            raise WorkerFailedError(failed.format_msg())  # type: ignore[no-untyped-call]
+            raise _worker_failure(result, entrypoint_name, error_handler)
         outcome = "succeeded"
     except SignalException as exc:
         shutdown_rdzv = False
@@ -319,7 +385,7 @@ def _launch(config: RunConfig, command: Command,
         if outage is not None:  # torch stopped the workers; their memory stays for the next run
             shutdown_rdzv = False
             outcome = "store_unavailable"
-            owner.keep_segments()
+            host.owner.keep_segments()
             raise StoreUnavailableError(
                 f"{outage}; the workers were stopped and their checkpoints stay in shared "
                 "memory for the next `gemini run` of this run on this host") from None
@@ -329,13 +395,21 @@ def _launch(config: RunConfig, command: Command,
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
-        events.write("exit", outcome=outcome)
-        if memory_service.replication is not None:  # it uses the store, closed first
-            memory_service.replication.stop_sending(wait=outcome != "store_unavailable")
-        for service in services:
-            service.close()
-        unwatch()
-        events.close()
+        host.events.write("exit", outcome=outcome)
+        host.close(wait=outcome != "store_unavailable")
+
+
+def _worker_failure(result: RunResult, entrypoint_name: str,
+                    error_handler: ErrorHandler) -> WorkerFailedError:
+    """torchrun's summary of a failed run; the first failure's error file is dumped where
+    torchrun dumps it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    failed = ChildFailedError(name=entrypoint_name, failures=result.failures)
+    _, first = failed.get_first_failure()
+    if first.error_file != "<N/A>":
+        error_handler.dump_error_file(first.error_file, first.exitcode)
+    return WorkerFailedError(failed.format_msg())  # type: ignore[no-untyped-call]
 
 
 def _check_backend(backend: str) -> None:
