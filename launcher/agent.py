@@ -1,27 +1,23 @@
-"""The per-host supervisor: torch elastic's ``LocalElasticAgent`` with gemini's services.
+"""The per-host supervisor's entry point: ``launch`` wires gemini's services around the agent.
 
 ``launch`` turns a :class:`RunConfig` into exactly what torchrun would build (torchrun's
-own argument parser and ``config_from_args``), then runs :class:`GeminiAgent` instead of
-the stock agent. The agent keeps torch elastic's monitor/restart loop and adds:
-
-* a fresh worker TCP store every rendezvous round, so restarted gloo workers never read
-  the previous round's addresses (torchrun reuses one store: pytorch/pytorch#135712);
-* stable node slots with a dynamic rendezvous (``launcher.rendezvous.assign_slots``);
-* JSON-lines events (rendezvous, start, worker exit, restart, stop, exit);
-* extension points (:class:`SupervisorService`) where the memory, replication, health
-  and persistence services plug in.
+own argument parser and ``config_from_args``), opens this host's services (coordination
+store, memory tiers with replication and persistence, health, heartbeats, standby
+interpreters) and runs ``launcher.elastic_agent.GeminiAgent`` instead of torch's stock
+agent, mapping how its run ends to gemini's errors. This module also holds
+:class:`Command` (the training command) and :class:`SupervisorService`, the interface
+those services present to the agent. It imports torch only inside functions, so that
+importing it stays cheap.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -36,18 +32,21 @@ from launcher.errors import (
     UsageError,
     WorkerFailedError,
 )
-from launcher.events import EventLog, report_dead, run_directory
+from launcher.events import EventLog, run_directory
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
     from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
+    from launcher.coordination import CoordinationService
+    from launcher.elastic_agent import GeminiAgent
+    from launcher.heartbeat import HeartbeatService
     from launcher.slots import SlotOwner
     from launcher.store import Store as GeminiStore
     from launcher.tiers import MemoryService
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,484 +82,15 @@ class SupervisorService(Protocol):
     def close(self) -> None: ...
 
 
-def _torch_agent_base() -> type:
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-
-    return LocalElasticAgent
-
-
 def make_agent(*args: Any, events: EventLog, host_id: str,
-               services: Sequence[SupervisorService], **kwargs: Any) -> Any:
-    """Build a :class:`GeminiAgent` (defined lazily: importing it imports torch).
-    Optional: ``lost_hosts()``, the hosts confirmed lost (their lease expired), and
+               services: Sequence[SupervisorService], **kwargs: Any) -> GeminiAgent:
+    """Build a :class:`launcher.elastic_agent.GeminiAgent` (imported here: it imports
+    torch). Optional: ``lost_hosts()``, the hosts confirmed lost (their lease expired),
+    ``declare_dead(hosts)``, those of ``hosts`` whose supervisor is certainly gone, and
     ``forget()``, which empties this host's memory once it was fenced out."""
-    return _agent_class()(*args, events=events, host_id=host_id, services=services, **kwargs)
+    from launcher.elastic_agent import GeminiAgent
 
-
-_AGENT_CLASS: type | None = None
-_ROUND_ATTEMPTS = 5  # rendezvous rounds whose set-up may time out before the run fails
-
-
-class _NotNeeded(Exception):  # noqa: N818 (a control-flow signal, not an error)
-    """This host never joined a round (a spare), or was fenced out of the job, and the
-    rendezvous closed: the job finished without needing it."""
-
-
-class _RoundClosed(Exception):  # noqa: N818 (a control-flow signal, not an error)
-    """This host's workers failed and the rendezvous closed while it restarted them: the
-    other hosts finished. ``failure`` is the failed run's RunResult."""
-
-    def __init__(self, failure: RunResult) -> None:
-        super().__init__("the rendezvous closed")
-        self.failure = failure
-
-
-def _agent_class() -> type:
-    global _AGENT_CLASS
-    if _AGENT_CLASS is None:
-        _AGENT_CLASS = _define_agent(_torch_agent_base())
-    return _AGENT_CLASS
-
-
-def _define_agent(base: type) -> type:
-    from torch._C._distributed_c10d import PrefixStore, TCPStore
-    from torch.distributed.elastic.agent.server.api import (
-        _TERMINAL_STATE_SYNC_ID as _EXIT_BARRIER,
-    )
-    from torch.distributed.elastic.agent.server.api import WorkerState
-    from torch.distributed.elastic.utils.store import _NUM_MEMBERS
-
-    # Constants of the agent class below, defined here where torch is imported.
-    _EXIT_MEMBERS = _EXIT_BARRIER + _NUM_MEMBERS  # noqa: N806 (hosts in the exit barrier)
-    _RESTARTING = _EXIT_BARRIER + "/gemini_restarting"  # noqa: N806 (hosts that restarted)
-
-    def _min_nodes(worker_group: WorkerGroup) -> int:
-        settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
-        world = worker_group.group_world_size
-        assert world is not None  # set by _rendezvous
-        return int(getattr(settings, "min_nodes", world))
-
-    def _max_nodes(worker_group: WorkerGroup) -> int:
-        settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
-        return int(getattr(settings, "max_nodes", 1 << 30))
-
-    def _rendezvous_round(handler: Any) -> int | None:
-        """The round number in torch's dynamic rendezvous state as last synced (None for
-        other backends)."""
-        holder = getattr(handler, "_state_holder", None)
-        return None if holder is None else int(holder.state.round)
-
-    def _formed_without(handler: Any, joined: int) -> bool:
-        """Whether a round after ``joined`` is running without this host."""
-        if not _round_running(handler):
-            return False
-        state = handler._state_holder.state
-        return bool(state.round > joined and handler._this_node not in state.participants)
-
-    def _round_running(handler: Any) -> bool:
-        """Whether torch's dynamic rendezvous has a complete round with hosts in it."""
-        holder = getattr(handler, "_state_holder", None)
-        if holder is None:
-            return False
-        with handler._heartbeat_lock:
-            holder.sync()
-            return bool(holder.state.complete and holder.state.participants)
-
-    class GeminiAgent(base):  # type: ignore[misc]
-        """LocalElasticAgent plus a per-round worker store, events and services."""
-
-        _remaining_restarts: int  # torch's
-
-        def __init__(self, *args: Any, events: EventLog, host_id: str,
-                     services: Sequence[SupervisorService],
-                     lost_hosts: Callable[[], frozenset[str]] = frozenset,
-                     declare_dead: Callable[[Iterable[str]], dict[str, str]] = lambda _: {},
-                     forget: Callable[[], None] = lambda: None, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._lost_hosts = lost_hosts
-            self._declare_dead = declare_dead
-            self._forget = forget
-            self._members: frozenset[str] = frozenset()  # the hosts of this host's round
-            self._joined_round: int | None = None  # torch's round number of that round
-            self._fenced = False  # the job went on without this host: it is a spare now
-            self._acted_on: frozenset[str] = frozenset()
-            self._events = events
-            self._host_id = host_id
-            self._slot: int | None = None  # this host's node slot in the last round
-            self._services = list(services)
-            self._round = 0
-            self._worker_store: TCPStore | None = None
-            self._round_store: Store | None = None
-            self._reported_failure = False
-            self._last_failure: RunResult | None = None
-            self._spare_noted = False
-            handler = self._worker_group.spec.rdzv_handler
-            self._waiting = handler.num_nodes_waiting
-            handler.num_nodes_waiting = self._num_nodes_waiting
-
-        # -- spares: hosts that wait while the group is full -----------------------------
-        def _num_nodes_waiting(self) -> int:
-            """torch's count of the hosts waiting for the next round, as the monitor loop
-            sees it: 0 while the group already has ``max_nodes`` hosts.
-
-            torch restarts a healthy group whenever a host waits, expecting the next
-            round to let it in; a full group cannot, and the waiting host would push an
-            original one out of the next round, which then waits and restarts the group
-            again. A spare waits until a host is lost (the survivors' restart admits it)
-            or the group can grow.
-
-            Also 1 (restart: a new round) when a member of this host's round was
-            confirmed lost (its lease expired: a host that froze, or vanished without a
-            connection reset, leaves the survivors' workers waiting on it forever), and
-            when the job went on without this host (its round is over: it froze for
-            longer than the rendezvous allows); it then stops its stale workers, forgets
-            its memory, and waits as a spare."""
-            waiting = int(self._waiting())
-            handler = self._worker_group.spec.rdzv_handler
-            current = _rendezvous_round(handler)
-            if (self._joined_round is not None and current is not None
-                    and current != self._joined_round):
-                self._fence("a new rendezvous round formed without it")
-                return 1
-            lost = (self._lost_hosts() & self._members) - {self._host_id}
-            self._acted_on &= lost  # one that registered again may be lost again later
-            if lost and lost != self._acted_on:
-                self._acted_on = frozenset(lost)
-                print(f"gemini: host(s) {', '.join(sorted(lost))} of this round lost (lease "
-                      "gone): restarting the round without them", file=sys.stderr,
-                      flush=True)
-                self._events.write("member_lost", round=self._round, lost=sorted(lost))
-                return 1
-            world = self._worker_group.group_world_size or 0
-            if waiting and world >= _max_nodes(self._worker_group):
-                if not self._spare_noted:
-                    self._spare_noted = True
-                    logger.info("%d host(s) wait for the rendezvous; the group is full "
-                                "(%d hosts): they stay spares", waiting, world)
-                    self._events.write("spares_waiting", round=self._round, waiting=waiting)
-                return 0
-            return waiting
-
-        def _next_rendezvous(self, worker_group: WorkerGroup) -> Any:
-            """torch's ``next_rendezvous``; a host that has never been in a round (a spare)
-            and times out while a round is running waits again instead of failing, and
-            one that finds the rendezvous closed ends: the job finished without it."""
-            from torch.distributed.elastic.rendezvous import (
-                RendezvousClosedError,
-                RendezvousTimeoutError,
-            )
-
-            handler = worker_group.spec.rdzv_handler
-            if self._joined_round is not None and not self._fenced:
-                if _formed_without(handler, self._joined_round):
-                    self._fence("a new rendezvous round formed without it")
-            while True:
-                spare = self._round == 0 or self._fenced
-                try:
-                    return handler.next_rendezvous()
-                except RendezvousClosedError:
-                    if not spare:
-                        raise
-                    raise _NotNeeded() from None
-                except RendezvousTimeoutError:
-                    if not spare or not _round_running(handler):
-                        raise
-                    print("gemini: this host is a spare: the running group is full; waiting "
-                          "for a place again", file=sys.stderr, flush=True)
-                    self._events.write("spare_rejoin")
-
-        @property
-        def fenced(self) -> bool:
-            """Whether the job went on without this host, which now waits as a spare."""
-            return self._fenced
-
-        def _fence(self, why: str) -> None:
-            """The job went on without this host: it must not act on its old round."""
-            if self._fenced:
-                return
-            self._fenced = True
-            print(f"gemini: this host was left out of the job ({why}; it stopped for longer "
-                  "than the others wait): stopping its workers; it waits as a spare, and "
-                  "forgets its memory if it is let in again", file=sys.stderr, flush=True)
-            self._events.write("fenced", round=self._round, why=why)
-
-        # -- rendezvous: a fresh store for the workers of every round ------------------
-        def _initialize_workers(self, worker_group: WorkerGroup) -> None:
-            """torch's rendezvous and start, again from the rendezvous when the round's
-            set-up times out on the store: a member that died right after the round
-            formed never publishes its part (the master address, its node slot, its
-            holdings), and the others would wait for it until the rendezvous timed out,
-            while the hosts replacing it waited for them."""
-            from torch.distributed import DistStoreError
-
-            for attempt in range(1, _ROUND_ATTEMPTS + 1):
-                try:
-                    super()._initialize_workers(worker_group)
-                    return
-                except (TimeoutError, DistStoreError) as exc:
-                    if attempt == _ROUND_ATTEMPTS:
-                        raise
-                    print(f"gemini: the set-up of rendezvous round {self._round} timed out "
-                          f"({exc}); a member is gone: rendezvous again", file=sys.stderr,
-                          flush=True)
-                    self._events.write("round_retry", round=self._round, error=str(exc))
-
-        def _rendezvous(self, worker_group: WorkerGroup) -> None:
-            """torch elastic's rendezvous, with stable node slots as group ranks."""
-            spec = worker_group.spec
-            if getattr(spec.rdzv_handler, "_bootstrap_store_info", None) is not None:
-                # torch's dynamic handler publishes the bootstrap address only in its own
-                # first round: a host joining a later round (a replacement) would wait for
-                # it forever unless this round's rank 0 publishes it again.
-                setattr(spec.rdzv_handler, "_bootstrap_store_info", None)  # noqa: B010
-            with self.record_duration("RENDEZVOUS"):
-                rdzv_info = self._next_rendezvous(worker_group)
-            store, world_size = rdzv_info.store, rdzv_info.world_size
-            self._round += 1
-            if self._fenced:  # admitted again: a member like any other, with empty memory
-                self._forget()
-                self._fenced = False
-            self._joined_round = _rendezvous_round(spec.rdzv_handler)
-            # Dynamic backends hand out a store scoped to the round; the static backend's
-            # store lives for the whole run, where only restarts start a new round (and
-            # node ranks are fixed by --node-rank).
-            static = spec.rdzv_handler.get_backend() == "static"
-            scope = f"gemini/{self._restart_count(worker_group)}/" if static else "gemini/"
-            self._round_store = PrefixStore(scope, store)
-            group_rank = rdzv_info.rank if static else self._stable_slot(
-                self._round_store, rdzv_info.rank, world_size)
-            bootstrap = rdzv_info.bootstrap_store_info
-            assert bootstrap is not None  # every torch backend sets it
-            self._store = store
-            with self.record_duration("ASSIGN_WORKER_RANKS"):
-                workers = self._assign_worker_ranks(store, group_rank, world_size, spec)
-            # WorkerGroup types these attributes as None; torch's _rendezvous sets them too.
-            worker_group.workers = workers
-            worker_group.store = store
-            worker_group.group_rank = group_rank  # type: ignore[assignment]
-            worker_group.group_world_size = world_size
-            worker_group.master_addr = spec.master_addr or bootstrap.master_addr  # type: ignore[assignment]
-            worker_group.master_port = spec.master_port or bootstrap.master_port  # type: ignore[assignment]
-            if spec.rdzv_handler.use_agent_store:
-                own_addr = (bootstrap.master_addr if rdzv_info.rank == 0 or static
-                            else spec.local_addr or socket.getfqdn())
-                self._publish_worker_store(worker_group, self._round_store, own_addr)
-            self._events.write(
-                "rendezvous",
-                round=self._round,
-                group_rank=group_rank,
-                group_world_size=world_size,
-                restart_count=self._restart_count(worker_group),
-                master_addr=worker_group.master_addr,
-                master_port=worker_group.master_port,
-                ranks=[w.global_rank for w in workers],
-            )
-
-        def _stable_slot(self, store: Store, member: int, world_size: int) -> int:
-            """Exchange (host, previous slot) with the round's other members; see
-            ``launcher.rendezvous.assign_slots``."""
-            from launcher.rendezvous import assign_slots
-
-            store.set(f"slot/{member}", json.dumps([self._host_id, self._slot]))
-            members = {}
-            for other in range(world_size):
-                host, previous = json.loads(store.get(f"slot/{other}"))
-                members[other] = (str(host), previous)
-            self._slot = assign_slots(members, world_size)[member]
-            self._members = frozenset(host for host, _ in members.values())
-            # A member still counted lost here joined this round, so it is alive: a host
-            # that froze, was declared lost and thawed, before its new lease is seen.
-            self._acted_on = self._lost_hosts() & self._members
-            return self._slot
-
-        def _publish_worker_store(self, worker_group: WorkerGroup, store: Store,
-                                  own_addr: str) -> None:
-            """Group rank 0 hosts a new TCPStore for this round's workers; all agents point
-            MASTER_ADDR/MASTER_PORT at it. Keys of earlier rounds cannot leak into it."""
-            self._worker_store = None  # the previous round's server shuts down
-            if worker_group.group_rank == 0:
-                host = str(own_addr)
-                self._worker_store = TCPStore(host_name=host, port=0, is_master=True,
-                                              wait_for_workers=False)
-                address: list[Any] = [host, self._worker_store.port]
-                store.set("worker_store", json.dumps(address))
-            else:
-                address = json.loads(store.get("worker_store"))
-            # WorkerGroup declares these None; torch's own _rendezvous assigns them too.
-            worker_group.master_addr = str(address[0])  # type: ignore[assignment]
-            worker_group.master_port = int(address[1])  # type: ignore[assignment]
-
-        def _restart_count(self, worker_group: WorkerGroup) -> int:
-            return int(worker_group.spec.max_restarts - self._remaining_restarts)
-
-        # -- workers -------------------------------------------------------------------
-        def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-            assert self._round_store is not None  # set by _rendezvous
-            for service in self._services:
-                service.before_start(worker_group, self._round_store)
-            self._reported_failure = False
-            pids = super()._start_workers(worker_group)
-            for worker in worker_group.workers:  # as torch does right after this returns
-                worker.id = pids.get(worker.local_rank)
-            for service in self._services:
-                service.after_start(worker_group)
-            self._events.write(
-                "start",
-                round=self._round,
-                restart_count=self._restart_count(worker_group),
-                workers=[
-                    {"local_rank": w.local_rank, "rank": w.global_rank,
-                     "pid": pids.get(w.local_rank)}
-                    for w in worker_group.workers
-                ],
-            )
-            return dict(pids)
-
-        def _stop_workers(self, worker_group: WorkerGroup) -> None:
-            super()._stop_workers(worker_group)
-            self._events.write("stop", round=self._round)
-            for service in self._services:
-                service.after_stop(worker_group)
-
-        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
-            for service in self._services:
-                service.check()
-            result: RunResult = super()._monitor_workers(worker_group)
-            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and (
-                not self._reported_failure
-            ):
-                self._reported_failure = True
-                self._last_failure = result
-                self._events.write(
-                    "worker_exit",
-                    round=self._round,
-                    state=result.state.name,
-                    failures=[_failure_record(rank, f) for rank, f in result.failures.items()],
-                )
-                # A peer's death is the usual cause of a healthy worker's communication
-                # error: if its supervisor is gone, every host learns it now.
-                report_dead(self._events, self._declare_dead(self._members - {self._host_id}),
-                            round=self._round)
-                self._after_failure(worker_group)
-            return result
-
-        # -- the end of a run: torch elastic's exit barrier ----------------------------
-        # A host whose workers succeeded waits in that barrier for every host of the round
-        # and joins no later round. torch counts a host in only when its workers succeed,
-        # so a host whose worker failed after its peers finished (at exit, say) either left
-        # the finished ones waiting for the barrier's timeout (300 s) or, with restarts
-        # left, waited itself for a round that could not fill (600 s). gemini counts a
-        # host whose run ends in failure into the barrier; a host that restarts announces
-        # it there (_RESTARTING), and a finished host closes the rendezvous when the hosts
-        # it still waits for all restarted and cannot form a round without it.
-
-        def _after_failure(self, worker_group: WorkerGroup) -> None:
-            """Skip the restart when hosts of this round have already finished their
-            workers and the rest are too few for a new round; count this host into the
-            exit barrier when its run ends here, or announce its restart there."""
-            from torch.distributed.elastic.utils import store as store_util
-
-            world = worker_group.group_world_size
-            assert world is not None  # set by _rendezvous
-            try:
-                if self._remaining_restarts > 0:
-                    finished = int(self._store.add(_EXIT_MEMBERS, 0))
-                    min_nodes = _min_nodes(worker_group)
-                    if finished == 0 or world - finished >= min_nodes:
-                        self._store.add(_RESTARTING, 1)
-                        return
-                    print(f"gemini: not restarting: {finished} of {world} hosts already "
-                          f"finished their workers, and a new round needs {min_nodes}",
-                          file=sys.stderr, flush=True)
-                    self._events.write("no_restart", round=self._round, reason="peers_finished",
-                                       finished_hosts=finished, min_nodes=min_nodes)
-                    self._remaining_restarts = 0
-                store_util._barrier_nonblocking(self._store, world, _EXIT_BARRIER)
-            except Exception as exc:  # the store of a host that went away
-                logger.warning("cannot reach the exit barrier: %s", exc)
-
-        def _exit_barrier(self) -> None:
-            """torch's exit barrier (every host of the round, for at most the exit barrier
-            timeout), which closes the rendezvous once the hosts still missing all
-            restarted after a failure and are fewer than a round needs."""
-            from torch.distributed.elastic.multiprocessing.api import SignalException
-            from torch.distributed.elastic.utils import store as store_util
-
-            world = self._worker_group.group_world_size
-            deadline = time.monotonic() + self._exit_barrier_timeout
-            closed = arrived = False
-            self._in_exit_barrier = True
-            try:
-                last = store_util._barrier_nonblocking(self._store, world, _EXIT_BARRIER)
-                arrived = True
-                while not self._store.check([last]):
-                    if time.monotonic() > deadline:
-                        logger.error("timed out after %ss waiting for the other hosts to "
-                                     "finish their workers", self._exit_barrier_timeout)
-                        return
-                    if not closed and self._stranded(world):
-                        closed = True
-                        print("gemini: the hosts still running restarted after a failure and "
-                              "cannot form a round without this one: closing the rendezvous",
-                              file=sys.stderr, flush=True)
-                        self._events.write("close_rendezvous", round=self._round,
-                                           reason="restarting_hosts_too_few")
-                        self._worker_group.spec.rdzv_handler.set_closed()
-                    time.sleep(0.1)
-            except SignalException:
-                raise
-            except Exception as exc:
-                if arrived:  # the store's host (group rank 0) saw the barrier complete and left
-                    logger.info("the exit barrier's store closed after this host arrived: %s",
-                                exc)
-                else:
-                    logger.warning("cannot reach the exit barrier: %s", " ".join(
-                        str(exc).split()))
-            finally:
-                self._in_exit_barrier = False
-
-        def _stranded(self, world: int) -> bool:
-            """Whether every host of the round that has not finished restarted, too few
-            for a round of their own (a static rendezvous cannot be closed: no)."""
-            if self._worker_group.spec.rdzv_handler.get_backend() == "static":
-                return False
-            finished = int(self._store.add(_EXIT_MEMBERS, 0))
-            restarting = int(self._store.add(_RESTARTING, 0))
-            return (restarting > 0 and finished + restarting >= world
-                    and world - finished < _min_nodes(self._worker_group))
-
-        def _restart_workers(self, worker_group: WorkerGroup) -> None:
-            from torch.distributed.elastic.rendezvous import RendezvousClosedError
-            from torch.distributed.elastic.utils import store as store_util
-
-            failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
-            self._events.write(
-                "restart",
-                round=self._round,
-                reason="failure" if failed else "membership",
-                restart_count=self._restart_count(worker_group),
-                remaining_restarts=self._remaining_restarts,
-            )
-            round_store, world = self._store, worker_group.group_world_size
-            assert world is not None  # set by _rendezvous
-            try:
-                super()._restart_workers(worker_group)
-            except RendezvousClosedError:
-                if self._fenced:
-                    raise _NotNeeded() from None
-                if not failed:
-                    raise
-                print("gemini: not restarting: the other hosts finished their workers and "
-                      "closed the rendezvous", file=sys.stderr, flush=True)
-                self._events.write("no_restart", round=self._round, reason="rendezvous_closed")
-                try:
-                    store_util._barrier_nonblocking(round_store, world, _EXIT_BARRIER)
-                except Exception as exc:
-                    logger.warning("cannot reach the exit barrier: %s", exc)
-                assert self._last_failure is not None  # set with the failure
-                raise _RoundClosed(self._last_failure) from None
-
-    return GeminiAgent
+    return GeminiAgent(*args, events=events, host_id=host_id, services=services, **kwargs)
 
 
 def _describe_host(coordination: Any, memory_service: Any, handler: Any) -> None:
@@ -574,19 +104,6 @@ def _describe_host(coordination: Any, memory_service: Any, handler: Any) -> None
             node=repr(node) if node is not None else None)
     except StoreError as exc:
         logger.warning("cannot publish this host's addresses: %s", exc)
-
-
-def _failure_record(rank: int, failure: Any) -> dict[str, Any]:
-    """A JSON-friendly summary of torch elastic's ``ProcessFailure``."""
-    return {
-        "rank": rank,
-        "local_rank": failure.local_rank,
-        "pid": failure.pid,
-        "exitcode": failure.exitcode,
-        "signal": failure.signal_name() if failure.exitcode < 0 else None,
-        "error_file": failure.error_file,
-        "message": failure.message if isinstance(failure.message, str) else None,
-    }
 
 
 # -- launching --------------------------------------------------------------------------
@@ -657,22 +174,23 @@ def _handle_signals(names: str) -> None:
 
 def _launch(config: RunConfig, command: Command,
             extra_services: Sequence[SupervisorService]) -> None:
-    import torch.distributed.run as torchrun
-    from torch.distributed import DistError
-    from torch.distributed.elastic import events as torch_events
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import (
-        ChildFailedError,
-        get_error_handler,
-    )
-    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import _get_entrypoint_name
 
-    from launcher.config import default_store_url
-    from launcher.coordination import CoordinationService
-    from launcher.slots import SlotOwner
-    from launcher.standby import StandbyService
-    from launcher.store import open_store, watch_outages
+    launch_config, entrypoint, entry_args = _torchrun_config(config, command)
+    spec = _prepare_rendezvous(config, launch_config, entrypoint, entry_args)
+    host = _open_host(config, launch_config, spec.rdzv_handler, entry_args, extra_services)
+    os.environ[ENV_RUN_DIR] = str(host.run_dir)
+    os.environ[ENV_HOST_ID] = host.owner.host_id
+    os.environ[ENV_SUPERVISOR_PID] = str(os.getpid())  # see launcher.hook
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = launch_config.signals_to_handle
+    _run_agent(config, launch_config, spec, host,
+               entrypoint_name=_get_entrypoint_name(entrypoint, list(entry_args)))
+
+
+def _torchrun_config(config: RunConfig, command: Command) -> tuple[Any, Any, list[str]]:
+    """torchrun's launch config, entrypoint and its arguments, as ``torch.distributed.run``
+    builds them from the equivalent command line; its signals are handled from now on."""
+    import torch.distributed.run as torchrun
 
     args = torchrun.parse_args(torchrun_argv(config, command))  # type: ignore[no-untyped-call]
     _check_backend(args.rdzv_backend)
@@ -681,10 +199,17 @@ def _launch(config: RunConfig, command: Command,
     _handle_signals(launch_config.signals_to_handle)
     if not launch_config.run_id:
         launch_config.run_id = str(uuid.uuid4().int)
+    return launch_config, entrypoint, entry_args
+
+
+def _prepare_rendezvous(config: RunConfig, launch_config: Any, entrypoint: Any,
+                        entry_args: list[str]) -> Any:
+    """This host's WorkerSpec, with gemini's rendezvous settings (and its etcd backend)."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     from launcher.rendezvous import (
         STORE_TIMEOUT_KEY,
-        drop_gone_nodes,
         register,
         set_credentials,
         speed_up_rendezvous,
@@ -696,11 +221,57 @@ def _launch(config: RunConfig, command: Command,
         launch_config.rdzv_configs.setdefault(STORE_TIMEOUT_KEY, config.store_timeout)
         set_credentials(launch_config.rdzv_configs, config.store_credentials)
     try:
-        spec = _worker_spec(launch_config, entrypoint, tuple(entry_args))
+        return _worker_spec(launch_config, entrypoint, tuple(entry_args))
     except (RendezvousError, DistError) as exc:
         raise StoreError(f"rendezvous failed: {type(exc).__name__}: {exc}") from None
     except ValueError as exc:
         raise ConfigError(f"invalid rendezvous settings: {exc}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Host:
+    """What :func:`_open_host` opened for this host's run; :meth:`close` closes it all."""
+
+    run_dir: Path
+    """The run's directory: events and error files."""
+    owner: SlotOwner
+    """The owner of this host's checkpoint slots in shared memory."""
+    events: EventLog
+    """This host's JSON-lines events."""
+    coordination: CoordinationService
+    """Leases, lost hosts and holdings in the coordination store."""
+    memory: MemoryService
+    """The checkpoint tiers: memory, replication to peer hosts, persistence."""
+    services: tuple[SupervisorService, ...]
+    """Every service the agent runs, in the order they close: the heartbeats (if any;
+    first, so that no leaving host is pinged), coordination, the memory tiers, health,
+    the standby interpreters (if any), then the caller's."""
+    unwatch: Callable[[], None]
+    """Stops writing the store's outages as events."""
+
+    def close(self, *, wait: bool) -> None:
+        """Close everything; replication stops sending first (it uses the store, which
+        coordination closes), waiting for the sends under way when ``wait``."""
+        if self.memory.replication is not None:
+            self.memory.replication.stop_sending(wait=wait)
+        for service in self.services:
+            service.close()
+        self.unwatch()
+        self.events.close()
+
+
+def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
+               entry_args: list[str], extra_services: Sequence[SupervisorService]) -> _Host:
+    """Open this host's services for the run: the owner of its slots and its event log,
+    the coordination store, the memory tiers, health, heartbeats between hosts and standby
+    interpreters; what was opened is closed again when a later one fails."""
+    from launcher.config import default_store_url
+    from launcher.coordination import CoordinationService
+    from launcher.health import HealthService
+    from launcher.rendezvous import drop_gone_nodes
+    from launcher.slots import SlotOwner
+    from launcher.standby import StandbyService
+    from launcher.store import open_store, watch_outages
 
     run_dir = run_directory(config.run_root, launch_config.run_id)
     owner = SlotOwner(run_id=launch_config.run_id,
@@ -721,14 +292,22 @@ def _launch(config: RunConfig, command: Command,
                                            host_id=owner.host_id, owner=owner,
                                            ttl=config.host_ttl)
         services.append(coordination)
-        memory_service = _memory_service(config, launch_config, owner, events, store)
-        services.append(memory_service)
-        from launcher.health import HealthService
-
+        memory = _memory_service(config, launch_config, owner, events, store)
+        services.append(memory)
         services.append(HealthService(owner.prefix, launch_config.nproc_per_node,
                                       hang_timeout=config.hang_timeout, events=events))
-        if memory_service.persist is not None:
-            coordination.persist_status = memory_service.persist.status
+        if memory.persist is not None:
+            coordination.persist_status = memory.persist.status
+        if launch_config.max_nodes > 1:
+            print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
+            _describe_host(coordination, memory, rdzv_handler)
+            drop_gone_nodes(coordination.lost_nodes)
+            heartbeat = _heartbeat_service(config, coordination, memory, events)
+            if heartbeat is not None:
+                services.insert(0, heartbeat)  # closes first: no pings of leaving hosts
+        events.add_sink(coordination.record_event)
+        if config.standby:
+            services.append(StandbyService(launch_config.nproc_per_node, entry_args))
     except BaseException:
         for service in services:
             service.close()
@@ -736,25 +315,34 @@ def _launch(config: RunConfig, command: Command,
         unwatch()
         events.close()
         raise
-    if launch_config.max_nodes > 1:
-        print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
-        _describe_host(coordination, memory_service, spec.rdzv_handler)
-        drop_gone_nodes(coordination.lost_nodes)
-        replication = memory_service.replication
-        if replication is not None and config.heartbeat_timeout > 0:
-            from launcher.heartbeat import HeartbeatService
+    return _Host(run_dir=run_dir, owner=owner, events=events, coordination=coordination,
+                 memory=memory, services=(*services, *extra_services), unwatch=unwatch)
 
-            services.insert(0, HeartbeatService(  # closes first: no pings of leaving hosts
-                coordination, events, connect=replication.client,
-                timeout=config.heartbeat_timeout))
-    events.add_sink(coordination.record_event)
-    if config.standby:
-        services.append(StandbyService(launch_config.nproc_per_node, entry_args))
-    services += extra_services
-    os.environ[ENV_RUN_DIR] = str(run_dir)
-    os.environ[ENV_HOST_ID] = owner.host_id
-    os.environ[ENV_SUPERVISOR_PID] = str(os.getpid())  # see launcher.hook
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = launch_config.signals_to_handle
+
+def _heartbeat_service(config: RunConfig, coordination: CoordinationService,
+                       memory: MemoryService, events: EventLog) -> HeartbeatService | None:
+    """Heartbeats to the peer hosts' replication servers; None without replication or
+    with ``--heartbeat-timeout 0``."""
+    replication = memory.replication
+    if replication is None or config.heartbeat_timeout <= 0:
+        return None
+    from launcher.heartbeat import HeartbeatService
+
+    return HeartbeatService(coordination, events, connect=replication.client,
+                            timeout=config.heartbeat_timeout)
+
+
+def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
+               entrypoint_name: str) -> None:
+    """Run the agent until the job ends on this host and map how it ended to gemini's
+    errors; then shut the rendezvous down (not after a signal or a store outage: that
+    would close it for the hosts that go on, or for this run resumed later) and close
+    the host's services."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic import events as torch_events
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     error_handler = get_error_handler()
     error_handler.initialize()
@@ -767,38 +355,25 @@ def _launch(config: RunConfig, command: Command,
             start_method=launch_config.start_method,
             log_line_prefix_template=launch_config.log_line_prefix_template,
             shutdown_timeout=launch_config.shutdown_timeout,
-            events=events,
-            host_id=owner.host_id,
-            services=services,
-            lost_hosts=coordination.lost_hosts,
-            declare_dead=coordination.declare_dead,
-            forget=lambda: owner.discard_newer_than(-1),
+            events=host.events,
+            host_id=host.owner.host_id,
+            services=host.services,
+            lost_hosts=host.coordination.lost_hosts,
+            declare_dead=host.coordination.declare_dead,
+            forget=lambda: host.owner.discard_newer_than(-1),
         )
-        events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,
-                     nproc_per_node=launch_config.nproc_per_node,
-                     rdzv_backend=launch_config.rdzv_backend,
-                     max_restarts=launch_config.max_restarts,
-                     entrypoint=_get_entrypoint_name(entrypoint, list(entry_args)))
-        try:
-            result = agent.run()
-        except _RoundClosed as ended:
-            result = ended.failure
-        except _NotNeeded:
-            result = None
+        host.events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,
+                          nproc_per_node=launch_config.nproc_per_node,
+                          rdzv_backend=launch_config.rdzv_backend,
+                          max_restarts=launch_config.max_restarts, entrypoint=entrypoint_name)
+        result = agent.run_job()
         if result is None:  # torch's graceful exit, or ours: the job ended without this host
             print("gemini: the rendezvous is closed: the job finished without needing this "
                   "host", file=sys.stderr, flush=True)
-            events.write("not_needed", fenced=agent.fenced)
+            host.events.write("not_needed", fenced=agent.fenced)
         torch_events.record(agent.get_event_succeeded(), launch_config.event_log_handler)
         if result is not None and result.is_failed():
-            failed = ChildFailedError(
-                name=_get_entrypoint_name(entrypoint, list(entry_args)),
-                failures=result.failures,
-            )
-            _, first = failed.get_first_failure()
-            if first.error_file != "<N/A>":
-                error_handler.dump_error_file(first.error_file, first.exitcode)
-            raise WorkerFailedError(failed.format_msg())  # type: ignore[no-untyped-call]
+            raise _worker_failure(result, entrypoint_name, error_handler)
         outcome = "succeeded"
     except SignalException as exc:
         shutdown_rdzv = False
@@ -810,7 +385,7 @@ def _launch(config: RunConfig, command: Command,
         if outage is not None:  # torch stopped the workers; their memory stays for the next run
             shutdown_rdzv = False
             outcome = "store_unavailable"
-            owner.keep_segments()
+            host.owner.keep_segments()
             raise StoreUnavailableError(
                 f"{outage}; the workers were stopped and their checkpoints stay in shared "
                 "memory for the next `gemini run` of this run on this host") from None
@@ -820,13 +395,21 @@ def _launch(config: RunConfig, command: Command,
     finally:
         if shutdown_rdzv:
             spec.rdzv_handler.shutdown()
-        events.write("exit", outcome=outcome)
-        if memory_service.replication is not None:  # it uses the store, closed first
-            memory_service.replication.stop_sending(wait=outcome != "store_unavailable")
-        for service in services:
-            service.close()
-        unwatch()
-        events.close()
+        host.events.write("exit", outcome=outcome)
+        host.close(wait=outcome != "store_unavailable")
+
+
+def _worker_failure(result: RunResult, entrypoint_name: str,
+                    error_handler: ErrorHandler) -> WorkerFailedError:
+    """torchrun's summary of a failed run; the first failure's error file is dumped where
+    torchrun dumps it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    failed = ChildFailedError(name=entrypoint_name, failures=result.failures)
+    _, first = failed.get_first_failure()
+    if first.error_file != "<N/A>":
+        error_handler.dump_error_file(first.error_file, first.exitcode)
+    return WorkerFailedError(failed.format_msg())  # type: ignore[no-untyped-call]
 
 
 def _check_backend(backend: str) -> None:

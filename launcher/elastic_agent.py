@@ -1,0 +1,502 @@
+"""The per-host agent: torch elastic's ``LocalElasticAgent`` with gemini's services.
+
+:class:`GeminiAgent` keeps torch elastic's monitor/restart loop and adds:
+
+* a fresh worker TCP store every rendezvous round, so restarted gloo workers never read
+  the previous round's addresses (torchrun reuses one store: pytorch/pytorch#135712);
+* stable node slots with a dynamic rendezvous (``launcher.rendezvous.assign_slots``);
+* spares that wait while the group is full, restarts without members confirmed lost, and
+  fencing of a host the job went on without (the decisions are in ``launcher.rounds``);
+* JSON-lines events (rendezvous, start, worker exit, restart, stop, exit);
+* extension points (``launcher.agent.SupervisorService``) where the memory, replication,
+  health and persistence services plug in.
+
+Importing this module imports torch; ``launcher.agent.make_agent`` imports it only when
+a run starts, so that commands other than ``gemini run`` stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, cast
+
+from torch._C._distributed_c10d import PrefixStore, TCPStore
+from torch.distributed import DistStoreError
+from torch.distributed.elastic.agent.server.api import (
+    _TERMINAL_STATE_SYNC_ID as _EXIT_BARRIER,
+)
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.utils import store as store_util
+from torch.distributed.elastic.utils.store import _NUM_MEMBERS
+
+from launcher.events import EventLog, report_dead
+from launcher.rounds import AfterFailure, after_failure, answer_waiting, round_moved_on, stranded
+
+if TYPE_CHECKING:
+    from torch.distributed.distributed_c10d import Store
+
+    from launcher.agent import SupervisorService
+
+logger = logging.getLogger(__name__)
+
+_EXIT_MEMBERS = _EXIT_BARRIER + _NUM_MEMBERS  # the hosts counted into torch's exit barrier
+_RESTARTING = _EXIT_BARRIER + "/gemini_restarting"  # the hosts of a round that restarted
+_ROUND_ATTEMPTS = 5  # rendezvous rounds whose set-up may time out before the run fails
+
+
+class _NotNeeded(Exception):  # noqa: N818 (a control-flow signal, not an error)
+    """This host never joined a round (a spare), or was fenced out of the job, and the
+    rendezvous closed: the job finished without needing it."""
+
+
+class _RoundClosed(Exception):  # noqa: N818 (a control-flow signal, not an error)
+    """This host's workers failed and the rendezvous closed while it restarted them: the
+    other hosts finished. ``failure`` is the failed run's RunResult."""
+
+    def __init__(self, failure: RunResult) -> None:
+        super().__init__("the rendezvous closed")
+        self.failure = failure
+
+
+def _group_world(worker_group: WorkerGroup) -> int:
+    """The number of hosts in the group's round."""
+    world = cast("int | None", worker_group.group_world_size)  # torch declares it None
+    assert world is not None  # set by _rendezvous
+    return world
+
+
+def _min_nodes(worker_group: WorkerGroup) -> int:
+    settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
+    return int(getattr(settings, "min_nodes", _group_world(worker_group)))
+
+
+def _max_nodes(worker_group: WorkerGroup) -> int:
+    settings = getattr(worker_group.spec.rdzv_handler, "_settings", None)
+    return int(getattr(settings, "max_nodes", 1 << 30))
+
+
+def _rendezvous_round(handler: Any) -> int | None:
+    """The round number in torch's dynamic rendezvous state as last synced (None for
+    other backends)."""
+    holder = getattr(handler, "_state_holder", None)
+    return None if holder is None else int(holder.state.round)
+
+
+def _formed_without(handler: Any, joined: int) -> bool:
+    """Whether a round after ``joined`` is running without this host."""
+    if not _round_running(handler):
+        return False
+    state = handler._state_holder.state
+    return bool(state.round > joined and handler._this_node not in state.participants)
+
+
+def _round_running(handler: Any) -> bool:
+    """Whether torch's dynamic rendezvous has a complete round with hosts in it."""
+    holder = getattr(handler, "_state_holder", None)
+    if holder is None:
+        return False
+    with handler._heartbeat_lock:
+        holder.sync()
+        return bool(holder.state.complete and holder.state.participants)
+
+
+def _failure_record(rank: int, failure: Any) -> dict[str, Any]:
+    """A JSON-friendly summary of torch elastic's ``ProcessFailure``."""
+    return {
+        "rank": rank,
+        "local_rank": failure.local_rank,
+        "pid": failure.pid,
+        "exitcode": failure.exitcode,
+        "signal": failure.signal_name() if failure.exitcode < 0 else None,
+        "error_file": failure.error_file,
+        "message": failure.message if isinstance(failure.message, str) else None,
+    }
+
+
+class GeminiAgent(LocalElasticAgent):
+    """LocalElasticAgent plus a per-round worker store, events and services."""
+
+    _store: Store  # type: ignore[assignment]  # torch's, which it declares None: set by _rendezvous
+
+    def __init__(self, *args: Any, events: EventLog, host_id: str,
+                 services: Sequence[SupervisorService],
+                 lost_hosts: Callable[[], frozenset[str]] = frozenset,
+                 declare_dead: Callable[[Iterable[str]], dict[str, str]] = lambda _: {},
+                 forget: Callable[[], None] = lambda: None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lost_hosts = lost_hosts
+        self._declare_dead = declare_dead
+        self._forget = forget
+        self._members: frozenset[str] = frozenset()  # the hosts of this host's round
+        self._joined_round: int | None = None  # torch's round number of that round
+        self._fenced = False  # the job went on without this host: it is a spare now
+        self._acted_on: frozenset[str] = frozenset()  # lost members restarted for
+        self._events = events
+        self._host_id = host_id
+        self._slot: int | None = None  # this host's node slot in the last round
+        self._services = list(services)
+        self._round = 0
+        self._worker_store: TCPStore | None = None
+        self._round_store: Store | None = None
+        self._reported_failure = False
+        self._last_failure: RunResult | None = None
+        self._spare_noted = False
+        handler = self._worker_group.spec.rdzv_handler
+        self._waiting = handler.num_nodes_waiting
+        handler.num_nodes_waiting = self._num_nodes_waiting  # type: ignore[method-assign]
+
+    def run_job(self) -> RunResult | None:
+        """torch's ``run``; None when the job ended without needing this host (torch's
+        graceful exit, or the rendezvous closed on a spare or a host fenced out), and the
+        failed run's result when this host's workers failed and the other hosts finished
+        and closed the rendezvous while it restarted them."""
+        try:
+            result: RunResult | None = self.run()  # torch's returns None on a graceful exit
+            return result
+        except _RoundClosed as ended:
+            return ended.failure
+        except _NotNeeded:
+            return None
+
+    # -- spares: hosts that wait while the group is full -----------------------------
+    def _num_nodes_waiting(self) -> int:
+        """torch's count of the hosts waiting for the next round, as the monitor loop
+        sees it (``launcher.rounds.answer_waiting``): 0 while the group already has
+        ``max_nodes`` hosts, so that a spare waits until a host is lost (the survivors'
+        restart admits it) or the group can grow; 1 (restart: a new round) when a member
+        of this host's round was confirmed lost (its lease expired), and when the job
+        went on without this host (it froze for longer than the rendezvous allows); it
+        then stops its stale workers, forgets its memory, and waits as a spare."""
+        waiting = int(self._waiting())
+        current = _rendezvous_round(self._worker_group.spec.rdzv_handler)
+        world = self._worker_group.group_world_size or 0
+        answer = answer_waiting(
+            waiting=waiting, moved_on=round_moved_on(self._joined_round, current),
+            lost=self._lost_hosts(), members=self._members, host=self._host_id,
+            acted_on=self._acted_on, world=world, max_nodes=_max_nodes(self._worker_group),
+            spares_noted=self._spare_noted)
+        self._acted_on = answer.acted_on
+        if answer.fence:
+            self._fence("a new rendezvous round formed without it")
+        elif answer.lost:
+            print(f"gemini: host(s) {', '.join(sorted(answer.lost))} of this round lost "
+                  "(lease gone): restarting the round without them", file=sys.stderr,
+                  flush=True)
+            self._events.write("member_lost", round=self._round, lost=sorted(answer.lost))
+        elif answer.note_spares:
+            self._spare_noted = True
+            logger.info("%d host(s) wait for the rendezvous; the group is full "
+                        "(%d hosts): they stay spares", waiting, world)
+            self._events.write("spares_waiting", round=self._round, waiting=waiting)
+        return answer.count
+
+    def _next_rendezvous(self, worker_group: WorkerGroup) -> Any:
+        """torch's ``next_rendezvous``; a host that has never been in a round (a spare)
+        and times out while a round is running waits again instead of failing, and
+        one that finds the rendezvous closed ends: the job finished without it."""
+        handler = worker_group.spec.rdzv_handler
+        if self._joined_round is not None and not self._fenced:
+            if _formed_without(handler, self._joined_round):
+                self._fence("a new rendezvous round formed without it")
+        while True:
+            spare = self._round == 0 or self._fenced
+            try:
+                return handler.next_rendezvous()
+            except RendezvousClosedError:
+                if not spare:
+                    raise
+                raise _NotNeeded() from None
+            except RendezvousTimeoutError:
+                if not spare or not _round_running(handler):
+                    raise
+                print("gemini: this host is a spare: the running group is full; waiting "
+                      "for a place again", file=sys.stderr, flush=True)
+                self._events.write("spare_rejoin")
+
+    @property
+    def fenced(self) -> bool:
+        """Whether the job went on without this host, which now waits as a spare."""
+        return self._fenced
+
+    def _fence(self, why: str) -> None:
+        """The job went on without this host: it must not act on its old round."""
+        if self._fenced:
+            return
+        self._fenced = True
+        print(f"gemini: this host was left out of the job ({why}; it stopped for longer "
+              "than the others wait): stopping its workers; it waits as a spare, and "
+              "forgets its memory if it is let in again", file=sys.stderr, flush=True)
+        self._events.write("fenced", round=self._round, why=why)
+
+    # -- rendezvous: a fresh store for the workers of every round ------------------
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        """torch's rendezvous and start, again from the rendezvous when the round's
+        set-up times out on the store: a member that died right after the round
+        formed never publishes its part (the master address, its node slot, its
+        holdings), and the others would wait for it until the rendezvous timed out,
+        while the hosts replacing it waited for them."""
+        for attempt in range(1, _ROUND_ATTEMPTS + 1):
+            try:
+                super()._initialize_workers(worker_group)
+                return
+            except (TimeoutError, DistStoreError) as exc:
+                if attempt == _ROUND_ATTEMPTS:
+                    raise
+                print(f"gemini: the set-up of rendezvous round {self._round} timed out "
+                      f"({exc}); a member is gone: rendezvous again", file=sys.stderr,
+                      flush=True)
+                self._events.write("round_retry", round=self._round, error=str(exc))
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """torch elastic's rendezvous, with stable node slots as group ranks."""
+        spec = worker_group.spec
+        if getattr(spec.rdzv_handler, "_bootstrap_store_info", None) is not None:
+            # torch's dynamic handler publishes the bootstrap address only in its own
+            # first round: a host joining a later round (a replacement) would wait for
+            # it forever unless this round's rank 0 publishes it again.
+            setattr(spec.rdzv_handler, "_bootstrap_store_info", None)  # noqa: B010
+        with self.record_duration("RENDEZVOUS"):
+            rdzv_info = self._next_rendezvous(worker_group)
+        store, world_size = rdzv_info.store, rdzv_info.world_size
+        self._round += 1
+        if self._fenced:  # admitted again: a member like any other, with empty memory
+            self._forget()
+            self._fenced = False
+        self._joined_round = _rendezvous_round(spec.rdzv_handler)
+        # Dynamic backends hand out a store scoped to the round; the static backend's
+        # store lives for the whole run, where only restarts start a new round (and
+        # node ranks are fixed by --node-rank).
+        static = spec.rdzv_handler.get_backend() == "static"
+        scope = f"gemini/{self._restart_count(worker_group)}/" if static else "gemini/"
+        self._round_store = PrefixStore(scope, store)
+        group_rank = rdzv_info.rank if static else self._stable_slot(
+            self._round_store, rdzv_info.rank, world_size)
+        bootstrap = rdzv_info.bootstrap_store_info
+        assert bootstrap is not None  # every torch backend sets it
+        self._store = store
+        with self.record_duration("ASSIGN_WORKER_RANKS"):
+            workers = self._assign_worker_ranks(store, group_rank, world_size, spec)
+        # WorkerGroup types these attributes as None; torch's _rendezvous sets them too.
+        worker_group.workers = workers
+        worker_group.store = store
+        worker_group.group_rank = group_rank  # type: ignore[assignment]
+        worker_group.group_world_size = world_size
+        worker_group.master_addr = spec.master_addr or bootstrap.master_addr  # type: ignore[assignment]
+        worker_group.master_port = spec.master_port or bootstrap.master_port  # type: ignore[assignment]
+        if spec.rdzv_handler.use_agent_store:
+            own_addr = (bootstrap.master_addr if rdzv_info.rank == 0 or static
+                        else spec.local_addr or socket.getfqdn())
+            self._publish_worker_store(worker_group, self._round_store, own_addr)
+        self._events.write(
+            "rendezvous",
+            round=self._round,
+            group_rank=group_rank,
+            group_world_size=world_size,
+            restart_count=self._restart_count(worker_group),
+            master_addr=worker_group.master_addr,
+            master_port=worker_group.master_port,
+            ranks=[w.global_rank for w in workers],
+        )
+
+    def _stable_slot(self, store: Store, member: int, world_size: int) -> int:
+        """Exchange (host, previous slot) with the round's other members; see
+        ``launcher.rendezvous.assign_slots``."""
+        from launcher.rendezvous import assign_slots
+
+        store.set(f"slot/{member}", json.dumps([self._host_id, self._slot]))
+        members = {}
+        for other in range(world_size):
+            host, previous = json.loads(store.get(f"slot/{other}"))
+            members[other] = (str(host), previous)
+        self._slot = assign_slots(members, world_size)[member]
+        self._members = frozenset(host for host, _ in members.values())
+        # A member still counted lost here joined this round, so it is alive: a host
+        # that froze, was declared lost and thawed, before its new lease is seen.
+        self._acted_on = self._lost_hosts() & self._members
+        return self._slot
+
+    def _publish_worker_store(self, worker_group: WorkerGroup, store: Store,
+                              own_addr: str) -> None:
+        """Group rank 0 hosts a new TCPStore for this round's workers; all agents point
+        MASTER_ADDR/MASTER_PORT at it. Keys of earlier rounds cannot leak into it."""
+        self._worker_store = None  # the previous round's server shuts down
+        if worker_group.group_rank == 0:
+            host = str(own_addr)
+            self._worker_store = TCPStore(host_name=host, port=0, is_master=True,
+                                          wait_for_workers=False)
+            address: list[Any] = [host, self._worker_store.port]
+            store.set("worker_store", json.dumps(address))
+        else:
+            address = json.loads(store.get("worker_store"))
+        # WorkerGroup declares these None; torch's own _rendezvous assigns them too.
+        worker_group.master_addr = str(address[0])  # type: ignore[assignment]
+        worker_group.master_port = int(address[1])  # type: ignore[assignment]
+
+    def _restart_count(self, worker_group: WorkerGroup) -> int:
+        return int(worker_group.spec.max_restarts - self._remaining_restarts)
+
+    # -- workers -------------------------------------------------------------------
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        assert self._round_store is not None  # set by _rendezvous
+        for service in self._services:
+            service.before_start(worker_group, self._round_store)
+        self._reported_failure = False
+        pids = super()._start_workers(worker_group)
+        for worker in worker_group.workers:  # as torch does right after this returns
+            worker.id = pids.get(worker.local_rank)
+        for service in self._services:
+            service.after_start(worker_group)
+        self._events.write(
+            "start",
+            round=self._round,
+            restart_count=self._restart_count(worker_group),
+            workers=[
+                {"local_rank": w.local_rank, "rank": w.global_rank,
+                 "pid": pids.get(w.local_rank)}
+                for w in worker_group.workers
+            ],
+        )
+        return dict(pids)
+
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        super()._stop_workers(worker_group)
+        self._events.write("stop", round=self._round)
+        for service in self._services:
+            service.after_stop(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        for service in self._services:
+            service.check()
+        result: RunResult = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and (
+            not self._reported_failure
+        ):
+            self._reported_failure = True
+            self._last_failure = result
+            self._events.write(
+                "worker_exit",
+                round=self._round,
+                state=result.state.name,
+                failures=[_failure_record(rank, f) for rank, f in result.failures.items()],
+            )
+            # A peer's death is the usual cause of a healthy worker's communication
+            # error: if its supervisor is gone, every host learns it now.
+            report_dead(self._events, self._declare_dead(self._members - {self._host_id}),
+                        round=self._round)
+            self._after_failure(worker_group)
+        return result
+
+    # -- the end of a run: torch elastic's exit barrier ----------------------------
+    # A host whose workers succeeded waits in that barrier for every host of the round
+    # and joins no later round. torch counts a host in only when its workers succeed,
+    # so a host whose worker failed after its peers finished (at exit, say) either left
+    # the finished ones waiting for the barrier's timeout (300 s) or, with restarts
+    # left, waited itself for a round that could not fill (600 s). gemini counts a
+    # host whose run ends in failure into the barrier; a host that restarts announces
+    # it there (_RESTARTING), and a finished host closes the rendezvous when the hosts
+    # it still waits for all restarted and cannot form a round without it.
+
+    def _after_failure(self, worker_group: WorkerGroup) -> None:
+        """Skip the restart when hosts of this round have already finished their
+        workers and the rest are too few for a new round; count this host into the
+        exit barrier when its run ends here, or announce its restart there."""
+        world = _group_world(worker_group)
+        try:
+            finished = int(self._store.add(_EXIT_MEMBERS, 0))
+            min_nodes = _min_nodes(worker_group)
+            choice = after_failure(remaining_restarts=self._remaining_restarts,
+                                   finished=finished, world=world, min_nodes=min_nodes)
+            if choice is AfterFailure.RESTART:
+                self._store.add(_RESTARTING, 1)
+                return
+            if choice is AfterFailure.PEERS_FINISHED:
+                print(f"gemini: not restarting: {finished} of {world} hosts already "
+                      f"finished their workers, and a new round needs {min_nodes}",
+                      file=sys.stderr, flush=True)
+                self._events.write("no_restart", round=self._round, reason="peers_finished",
+                                   finished_hosts=finished, min_nodes=min_nodes)
+                self._remaining_restarts = 0
+            store_util._barrier_nonblocking(self._store, world, _EXIT_BARRIER)
+        except Exception as exc:  # the store of a host that went away
+            logger.warning("cannot reach the exit barrier: %s", exc)
+
+    def _exit_barrier(self) -> None:
+        """torch's exit barrier (every host of the round, for at most the exit barrier
+        timeout), which closes the rendezvous once the hosts still missing all
+        restarted after a failure and are fewer than a round needs."""
+        world = _group_world(self._worker_group)
+        deadline = time.monotonic() + self._exit_barrier_timeout
+        closed = arrived = False
+        self._in_exit_barrier = True
+        try:
+            last = store_util._barrier_nonblocking(self._store, world, _EXIT_BARRIER)
+            arrived = True
+            while not self._store.check([last]):
+                if time.monotonic() > deadline:
+                    logger.error("timed out after %ss waiting for the other hosts to "
+                                 "finish their workers", self._exit_barrier_timeout)
+                    return
+                if not closed and self._stranded(world):
+                    closed = True
+                    print("gemini: the hosts still running restarted after a failure and "
+                          "cannot form a round without this one: closing the rendezvous",
+                          file=sys.stderr, flush=True)
+                    self._events.write("close_rendezvous", round=self._round,
+                                       reason="restarting_hosts_too_few")
+                    self._worker_group.spec.rdzv_handler.set_closed()  # type: ignore[no-untyped-call]
+                time.sleep(0.1)
+        except SignalException:
+            raise
+        except Exception as exc:
+            if arrived:  # the store's host (group rank 0) saw the barrier complete and left
+                logger.info("the exit barrier's store closed after this host arrived: %s",
+                            exc)
+            else:
+                logger.warning("cannot reach the exit barrier: %s", " ".join(
+                    str(exc).split()))
+        finally:
+            self._in_exit_barrier = False
+
+    def _stranded(self, world: int) -> bool:
+        """Whether every host of the round that has not finished restarted, too few
+        for a round of their own (a static rendezvous cannot be closed: no)."""
+        static = self._worker_group.spec.rdzv_handler.get_backend() == "static"
+        finished = int(self._store.add(_EXIT_MEMBERS, 0))
+        restarting = int(self._store.add(_RESTARTING, 0))
+        return stranded(finished=finished, restarting=restarting, world=world,
+                        min_nodes=_min_nodes(self._worker_group), static=static)
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        failed = worker_group.state in (WorkerState.FAILED, WorkerState.UNHEALTHY)
+        self._events.write(
+            "restart",
+            round=self._round,
+            reason="failure" if failed else "membership",
+            restart_count=self._restart_count(worker_group),
+            remaining_restarts=self._remaining_restarts,
+        )
+        round_store, world = self._store, _group_world(worker_group)
+        try:
+            super()._restart_workers(worker_group)
+        except RendezvousClosedError:
+            if self._fenced:
+                raise _NotNeeded() from None
+            if not failed:
+                raise
+            print("gemini: not restarting: the other hosts finished their workers and "
+                  "closed the rendezvous", file=sys.stderr, flush=True)
+            self._events.write("no_restart", round=self._round, reason="rendezvous_closed")
+            try:
+                store_util._barrier_nonblocking(round_store, world, _EXIT_BARRIER)
+            except Exception as exc:
+                logger.warning("cannot reach the exit barrier: %s", exc)
+            assert self._last_failure is not None  # set with the failure
+            raise _RoundClosed(self._last_failure) from None

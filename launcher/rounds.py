@@ -1,0 +1,110 @@
+"""When a host's supervisor restarts its round of workers: pure decisions over what it knows.
+
+No processes, no store, no torch: the agent (``launcher.elastic_agent``) reads torch's
+rendezvous state, the round's store and the lost hosts, calls these functions, and carries
+out their answer (the messages, the events, the counts it adds to the store), as
+``launcher.recovery`` decides a restore that ``launcher.tiers`` carries out.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+def round_moved_on(joined: int | None, current: int | None) -> bool:
+    """Whether torch's rendezvous is at another round than ``joined``, the one this host
+    joined: the job went on without it. False while either number is unknown (before this
+    host's first round; a backend that numbers no rounds)."""
+    return joined is not None and current is not None and current != joined
+
+
+@dataclass(frozen=True, kw_only=True)
+class WaitingAnswer:
+    """What the agent answers torch's monitor loop when it asks for the waiting hosts, and
+    what it records first (at most one of ``fence``, ``lost`` and ``note_spares``)."""
+
+    count: int
+    """The hosts waiting, as the monitor loop is told: above 0 restarts the round."""
+    acted_on: frozenset[str]
+    """The lost members of this round acted on from now on."""
+    fence: bool = False
+    """The job went on without this host: it must stop acting on its round."""
+    lost: frozenset[str] = frozenset()
+    """Members of this round newly confirmed lost, to announce (empty: none)."""
+    note_spares: bool = False
+    """Hosts wait while the group is full: say, once, that they stay spares."""
+
+
+def answer_waiting(*, waiting: int, moved_on: bool, lost: frozenset[str],
+                   members: frozenset[str], host: str, acted_on: frozenset[str],
+                   world: int, max_nodes: int, spares_noted: bool) -> WaitingAnswer:
+    """The count of waiting hosts to answer torch's monitor loop, which restarts a healthy
+    group whenever it is above 0.
+
+    ``waiting`` is torch's own count; ``moved_on`` whether the rendezvous went on without
+    this host (:func:`round_moved_on`); ``lost`` the hosts confirmed lost (lease expired);
+    ``members`` the hosts of this host's round and ``host`` this one; ``acted_on`` the lost
+    members already restarted for; ``world`` the hosts of the round, ``max_nodes`` the most
+    the group may have; ``spares_noted`` whether full-group spares were already noted.
+
+    * The job went on without this host: 1, and fence it out (it stops its stale workers
+      and waits as a spare).
+    * A member of this round was newly confirmed lost (a host that froze or vanished
+      without a connection reset leaves the survivors' workers waiting on it forever): 1,
+      to restart the round without it. A lost member that registered again drops out of
+      ``acted_on``, so that its next loss is acted on too.
+    * Hosts wait but the group already has ``max_nodes`` hosts: 0. torch expects the next
+      round to let a waiting host in; a full group cannot, and the waiting host would push
+      an original one out of the next round, which would then wait and restart the group
+      again. A spare waits until a host is lost or the group can grow.
+    * Otherwise torch's count.
+    """
+    if moved_on:
+        return WaitingAnswer(count=1, acted_on=acted_on, fence=True)
+    lost_members = (lost & members) - {host}
+    still_acted_on = acted_on & lost_members
+    if lost_members and lost_members != still_acted_on:
+        return WaitingAnswer(count=1, acted_on=lost_members, lost=lost_members)
+    if waiting and world >= max_nodes:
+        return WaitingAnswer(count=0, acted_on=still_acted_on, note_spares=not spares_noted)
+    return WaitingAnswer(count=waiting, acted_on=still_acted_on)
+
+
+class AfterFailure(enum.Enum):
+    """What a host does once its workers failed: it restarts them (torch's next round), or
+    its run ends and it counts itself into torch's exit barrier, where the hosts that
+    finished wait for every host of the round."""
+
+    RESTART = "restart"
+    """Restart the workers; announce it in the exit barrier (a host that restarted)."""
+    PEERS_FINISHED = "peers_finished"
+    """Restarts remain, but hosts of this round already finished their workers and the
+    others are too few for a new round: end the run instead of waiting for a round that
+    cannot form."""
+    NO_RESTARTS = "no_restarts"
+    """No restarts left: the run ends."""
+
+
+def after_failure(*, remaining_restarts: int, finished: int, world: int,
+                  min_nodes: int) -> AfterFailure:
+    """Whether a host whose workers failed restarts them: while restarts remain, unless
+    ``finished`` of the round's ``world`` hosts finished their workers (they join no later
+    round) and the rest are fewer than the ``min_nodes`` a round needs."""
+    if remaining_restarts <= 0:
+        return AfterFailure.NO_RESTARTS
+    if finished == 0 or world - finished >= min_nodes:
+        return AfterFailure.RESTART
+    return AfterFailure.PEERS_FINISHED
+
+
+def stranded(*, finished: int, restarting: int, world: int, min_nodes: int,
+             static: bool) -> bool:
+    """Whether a host that finished its workers should close the rendezvous: every host of
+    the round's ``world`` that has not ``finished`` is ``restarting`` after a failure, and
+    those are fewer than the ``min_nodes`` a round needs, so they wait for a round that
+    cannot form while this host waits for them in the exit barrier. Never with a
+    ``static`` rendezvous, which cannot be closed."""
+    if static:
+        return False
+    return restarting > 0 and finished + restarting >= world and world - finished < min_nodes

@@ -1,0 +1,126 @@
+"""When a supervisor restarts its round: pure decisions over what it knows of the job."""
+
+from __future__ import annotations
+
+from itertools import product
+from typing import Any
+
+import pytest
+
+from launcher.rounds import (
+    AfterFailure,
+    WaitingAnswer,
+    after_failure,
+    answer_waiting,
+    round_moved_on,
+    stranded,
+)
+
+MEMBERS = frozenset({"a", "b", "c"})  # the round of host "a"
+NONE: frozenset[str] = frozenset()
+
+
+def answer(**changes: Any) -> WaitingAnswer:
+    """``answer_waiting`` for host "a" of a healthy round of three, max four hosts."""
+    state: dict[str, Any] = dict(waiting=0, moved_on=False, lost=NONE, members=MEMBERS,
+                                 host="a", acted_on=NONE, world=3, max_nodes=4,
+                                 spares_noted=False)
+    return answer_waiting(**{**state, **changes})
+
+
+@pytest.mark.parametrize(("joined", "current", "moved_on"), [
+    (None, None, False),  # before this host's first round
+    (None, 3, False),
+    (3, None, False),  # a backend without round numbers
+    (3, 3, False),
+    (3, 4, True),
+    (4, 3, True),
+])
+def test_round_moved_on(joined: int | None, current: int | None, moved_on: bool) -> None:
+    assert round_moved_on(joined, current) is moved_on
+
+
+def test_a_healthy_round_answers_torchs_count() -> None:
+    assert answer() == WaitingAnswer(count=0, acted_on=NONE)
+    assert answer(waiting=2) == WaitingAnswer(count=2, acted_on=NONE)
+
+
+def test_a_host_the_job_went_on_without_is_fenced_and_restarts() -> None:
+    got = answer(moved_on=True, lost=frozenset({"b"}), acted_on=frozenset({"c"}), waiting=3)
+    assert got == WaitingAnswer(count=1, acted_on=frozenset({"c"}), fence=True)
+
+
+def test_a_lost_member_restarts_the_round_once() -> None:
+    first = answer(lost=frozenset({"b"}))
+    assert first == WaitingAnswer(count=1, acted_on=frozenset({"b"}), lost=frozenset({"b"}))
+    again = answer(lost=frozenset({"b"}), acted_on=first.acted_on)
+    assert again == WaitingAnswer(count=0, acted_on=frozenset({"b"}))
+
+
+def test_only_other_members_of_this_round_count_as_lost() -> None:
+    assert answer(lost=frozenset({"a", "x"})) == WaitingAnswer(count=0, acted_on=NONE)
+
+
+def test_a_second_loss_announces_every_lost_member() -> None:
+    got = answer(lost=frozenset({"b", "c"}), acted_on=frozenset({"b"}))
+    assert got.count == 1
+    assert got.lost == got.acted_on == frozenset({"b", "c"})
+
+
+def test_a_member_that_registered_again_is_acted_on_when_lost_again() -> None:
+    back = answer(lost=NONE, acted_on=frozenset({"b"}))
+    assert back == WaitingAnswer(count=0, acted_on=NONE)
+    assert answer(lost=frozenset({"b"}), acted_on=back.acted_on).lost == frozenset({"b"})
+
+
+def test_hosts_waiting_beside_a_full_group_stay_spares() -> None:
+    full = answer(waiting=1, world=4)
+    assert full == WaitingAnswer(count=0, acted_on=NONE, note_spares=True)
+    assert answer(waiting=1, world=4, spares_noted=True) == WaitingAnswer(count=0, acted_on=NONE)
+    assert answer(waiting=0, world=4) == WaitingAnswer(count=0, acted_on=NONE)
+    assert answer(waiting=1, world=3).count == 1  # room to grow: torch's restart lets it in
+
+
+def test_a_lost_member_restarts_even_a_full_group() -> None:
+    got = answer(waiting=1, world=4, lost=frozenset({"c"}))
+    assert (got.count, got.lost, got.note_spares) == (1, frozenset({"c"}), False)
+
+
+@pytest.mark.parametrize(("moved_on", "lost", "acted_on", "waiting", "world"), list(product(
+    (False, True), (NONE, frozenset({"b"})), (NONE, frozenset({"b"})), (0, 1), (3, 4))))
+def test_at_most_one_thing_is_recorded(moved_on: bool, lost: frozenset[str],
+                                       acted_on: frozenset[str], waiting: int,
+                                       world: int) -> None:
+    got = answer(moved_on=moved_on, lost=lost, acted_on=acted_on, waiting=waiting, world=world)
+    assert sum((got.fence, bool(got.lost), got.note_spares)) <= 1
+    assert got.count >= 0
+
+
+@pytest.mark.parametrize(("remaining", "finished", "world", "min_nodes", "choice"), [
+    (0, 0, 2, 2, AfterFailure.NO_RESTARTS),
+    (0, 1, 2, 1, AfterFailure.NO_RESTARTS),
+    (3, 0, 2, 2, AfterFailure.RESTART),  # nobody finished: a full new round
+    (3, 1, 3, 2, AfterFailure.RESTART),  # the two left still form a round
+    (3, 1, 2, 2, AfterFailure.PEERS_FINISHED),
+    (1, 2, 3, 2, AfterFailure.PEERS_FINISHED),
+    (1, 1, 4, 1, AfterFailure.RESTART),
+])
+def test_after_failure(remaining: int, finished: int, world: int, min_nodes: int,
+                       choice: AfterFailure) -> None:
+    assert after_failure(remaining_restarts=remaining, finished=finished, world=world,
+                         min_nodes=min_nodes) is choice
+
+
+@pytest.mark.parametrize(("finished", "restarting", "world", "min_nodes", "static", "closes"), [
+    (1, 1, 2, 2, False, True),  # the one left restarted and cannot form a round alone
+    (1, 1, 2, 2, True, False),  # a static rendezvous cannot be closed
+    (1, 0, 2, 2, False, False),  # the other host still runs: wait for it
+    (1, 1, 3, 2, False, False),  # one host is neither finished nor restarting
+    (1, 2, 3, 2, False, False),  # the two restarting hosts form a round of their own
+    (2, 1, 3, 2, False, True),
+    (1, 2, 3, 3, False, True),
+])
+def test_stranded(finished: int, restarting: int, world: int, min_nodes: int, static: bool,
+                  closes: bool) -> None:
+    assert stranded(finished=finished, restarting=restarting, world=world,
+                    min_nodes=min_nodes, static=static) is closes
