@@ -5,9 +5,9 @@ own argument parser and ``config_from_args``), opens this host's services (coord
 store, memory tiers with replication and persistence, health, heartbeats, standby
 interpreters) and runs ``launcher.elastic_agent.GeminiAgent`` instead of torch's stock
 agent, mapping how its run ends to gemini's errors. This module also holds
-:class:`Command` (the training command) and :class:`SupervisorService`, the interface
-those services present to the agent. It imports torch only inside functions, so that
-importing it stays cheap.
+:class:`Command` (the training command); the interface the services present to the
+agent is ``launcher.elastic_agent.SupervisorService``. It imports torch only inside
+functions, so that importing it stays cheap.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from launcher.config import TORCHRUN_FIELDS, RunConfig
 from launcher.contract import ENV_HOST_ID, ENV_RUN_DIR, ENV_SUPERVISOR_PID
@@ -35,12 +35,11 @@ from launcher.errors import (
 from launcher.events import EventLog, run_directory
 
 if TYPE_CHECKING:
-    from torch.distributed.distributed_c10d import Store
-    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
+    from torch.distributed.elastic.agent.server.api import RunResult
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
     from launcher.coordination import CoordinationService
-    from launcher.elastic_agent import GeminiAgent
+    from launcher.elastic_agent import GeminiAgent, SupervisorService
     from launcher.heartbeat import HeartbeatService
     from launcher.slots import SlotOwner
     from launcher.store import Store as GeminiStore
@@ -57,29 +56,6 @@ class Command:
     """Path of the training script, module name with ``--module``, or an executable."""
     args: tuple[str, ...] = ()
     """Arguments passed to the script unchanged."""
-
-
-class SupervisorService(Protocol):
-    """A per-host service run by the supervisor around each round of workers.
-
-    Calls happen on the agent's thread: ``before_start`` once a round's ranks are known
-    and before its workers start (``store`` is a key-value store shared by every host's
-    supervisor and private to this round), ``after_start`` once they run, ``after_stop``
-    when the round's workers have exited or been stopped, ``check`` on every monitor tick
-    (raise a ``GeminiError`` to end the job), ``close`` once when the supervisor ends.
-    Services may set ``GEMINI_*`` variables in ``os.environ`` in ``before_start``: the
-    workers inherit them.
-    """
-
-    def before_start(self, group: WorkerGroup, store: Store) -> None: ...
-
-    def after_start(self, group: WorkerGroup) -> None: ...
-
-    def after_stop(self, group: WorkerGroup) -> None: ...
-
-    def check(self) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def make_agent(*args: Any, events: EventLog, host_id: str,

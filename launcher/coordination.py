@@ -87,7 +87,7 @@ def secret_key(run_id: str) -> str:
 
 
 class CoordinationService:
-    """Supervisor service (see ``agent.SupervisorService``) for the coordination store."""
+    """Supervisor service (see ``elastic_agent.SupervisorService``) for the coordination store."""
 
     def __init__(self, store: Store, *, run_id: str, host_id: str, owner: SlotOwner,
                  ttl: float) -> None:

@@ -8,7 +8,7 @@
 * spares that wait while the group is full, restarts without members confirmed lost, and
   fencing of a host the job went on without (the decisions are in ``launcher.rounds``);
 * JSON-lines events (rendezvous, start, worker exit, restart, stop, exit);
-* extension points (``launcher.agent.SupervisorService``) where the memory, replication,
+* extension points (:class:`SupervisorService`) where the memory, replication,
   health and persistence services plug in.
 
 Importing this module imports torch; ``launcher.agent.make_agent`` imports it only when
@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed import DistStoreError
@@ -43,7 +43,6 @@ from launcher.rounds import AfterFailure, after_failure, answer_waiting, round_m
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
 
-    from launcher.agent import SupervisorService
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +118,29 @@ def _failure_record(rank: int, failure: Any) -> dict[str, Any]:
         "error_file": failure.error_file,
         "message": failure.message if isinstance(failure.message, str) else None,
     }
+
+
+class SupervisorService(Protocol):
+    """A per-host service run by the supervisor around each round of workers.
+
+    Calls happen on the agent's thread: ``before_start`` once a round's ranks are known
+    and before its workers start (``store`` is a key-value store shared by every host's
+    supervisor and private to this round), ``after_start`` once they run, ``after_stop``
+    when the round's workers have exited or been stopped, ``check`` on every monitor tick
+    (raise a ``GeminiError`` to end the job), ``close`` once when the supervisor ends.
+    Services may set ``GEMINI_*`` variables in ``os.environ`` in ``before_start``: the
+    workers inherit them.
+    """
+
+    def before_start(self, group: WorkerGroup, store: Store) -> None: ...
+
+    def after_start(self, group: WorkerGroup) -> None: ...
+
+    def after_stop(self, group: WorkerGroup) -> None: ...
+
+    def check(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class GeminiAgent(LocalElasticAgent):

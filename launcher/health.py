@@ -45,7 +45,7 @@ GPU_CHECK_INTERVAL = 2.0
 
 
 class HealthService:
-    """Supervisor service (see ``agent.SupervisorService``): hang detection (with
+    """Supervisor service (see ``elastic_agent.SupervisorService``): hang detection (with
     ``hang_timeout`` > 0) and GPU health (where NVML is available)."""
 
     def __init__(self, prefix: str, local_world_size: int, *, hang_timeout: float,

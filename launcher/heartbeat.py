@@ -43,7 +43,7 @@ PROBE_EVERY = 1.0  # seconds between two probes of a peer whose pings fail at on
 
 
 class HeartbeatService:
-    """Supervisor service (see ``agent.SupervisorService``): one pinger thread per running
+    """Supervisor service (see ``elastic_agent.SupervisorService``): one pinger thread per running
     peer, started and stopped as peers come and go."""
 
     def __init__(self, coordination: CoordinationService, events: EventLog, *,

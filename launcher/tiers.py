@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 class MemoryService:
-    """The supervisor service of the checkpoint tiers (see ``agent.SupervisorService``).
+    """The supervisor service of the checkpoint tiers (see ``elastic_agent.SupervisorService``).
 
     Before each round it gathers, from every host through the round's store, which steps
     each rank holds in each tier (own memory, peers' replicas, persistent files), picks
