@@ -109,8 +109,12 @@ class TrainerCheckpoints:
         if getattr(args, "deepspeed", None) or getattr(args, "fsdp", None):
             raise ValueError("gemini_trainer: DeepSpeed and FSDP through the Trainer save "
                              "their state their own way; not supported")
+        after_step = getattr(trainer, "_maybe_log_save_evaluate", None)
+        if after_step is None:
+            raise TypeError("gemini_trainer: this transformers.Trainer has no per-step "
+                            "_maybe_log_save_evaluate (tested with transformers 5.25)")
         self._snapshot.trainer = trainer
-        train, after_step = trainer.train, trainer._maybe_log_save_evaluate
+        train = trainer.train
 
         def train_from_memory(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
             if resume_from_checkpoint is None:
