@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -258,17 +259,19 @@ def load_state(buf: Any, meta: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def clone_tensors(obj: Any, owned: frozenset[int] = frozenset()) -> Any:
+def clone_tensors(obj: Any, owned: frozenset[int] = frozenset(),
+                  keep: Callable[[torch.Tensor], bool] | None = None) -> Any:
     """A copy of ``obj`` whose tensors own their memory (never alias a slot); tensors whose
-    id is in ``owned`` own theirs already and are kept."""
+    id is in ``owned`` own theirs already, and those ``keep`` accepts, are kept."""
     if isinstance(obj, torch.Tensor):
-        return obj if id(obj) in owned else obj.detach().clone()
+        kept = id(obj) in owned or (keep is not None and keep(obj))
+        return obj if kept else obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: clone_tensors(v, owned) for k, v in obj.items()}
+        return {k: clone_tensors(v, owned, keep) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [clone_tensors(v, owned) for v in obj]
+        return [clone_tensors(v, owned, keep) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(clone_tensors(v, owned) for v in obj)
+        return tuple(clone_tensors(v, owned, keep) for v in obj)
     return obj
 
 

@@ -167,20 +167,6 @@ def _has_tensors(tree: Any) -> bool:
     return False
 
 
-def _clone_unguarded(tree: Any, guarded: set[int]) -> Any:
-    """``tree`` with its tensors cloned, except those on ``guarded`` storages (parameters
-    and optimizer states: the copy thread reads them before the next optimizer step)."""
-    if isinstance(tree, torch.Tensor):
-        return tree if _storage(tree) in guarded else tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _clone_unguarded(v, guarded) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_clone_unguarded(v, guarded) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(_clone_unguarded(v, guarded) for v in tree)
-    return tree
-
-
 def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None))
@@ -426,11 +412,15 @@ class Checkpointer:
             state["optimizer"] = optimizer
         extra: dict[str, Any] = {}
         guarded: set[int] | None = None  # found at the first tensor of an extra value
+
+        def guarded_storage(tensor: torch.Tensor) -> bool:
+            return guarded is not None and _storage(tensor) in guarded
+
         for key, value in self.extra.items():
             tree = value.state_dict() if _stateful(value) else value
             if guarded is None and _has_tensors(tree):
                 guarded = self._guarded_storages()
-            extra[key] = clone_tensors(tree) if not guarded else _clone_unguarded(tree, guarded)
+            extra[key] = clone_tensors(tree, keep=None if not guarded else guarded_storage)
         state["extra"] = extra
         return state
 
