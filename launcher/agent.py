@@ -274,6 +274,8 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
                                       hang_timeout=config.hang_timeout, events=events))
         if memory.persist is not None:
             coordination.persist_status = memory.persist.status
+        if memory.replication is not None:
+            coordination.take_over = memory.take_over
         if launch_config.max_nodes > 1:
             print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
             _describe_host(coordination, memory, rdzv_handler)

@@ -106,6 +106,11 @@ class CoordinationService:
         self._lost_nodes: dict[str, str] = {}  # lost host -> its rendezvous node
         self._unpruned = _PRUNE_EVERY  # events written since the last prune: prune at once
         self.persist_status: Callable[[], Mapping[int, int]] | None = None
+        self.take_over: Callable[[Mapping[int, list[tuple[tuple[str, int], int]]]], None] | None = None
+        """Called, while this host is a spare, with the copies of a lost host's ranks that
+        the peers hold (per rank, ``(replication address, step)``, newest step first): see
+        :meth:`_prepare_takeover`."""
+        self._taken_over: set[str] = set()
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._probing = threading.Lock()
@@ -230,6 +235,41 @@ class CoordinationService:
             self._lost.add(host)
             if isinstance(record.get("node"), str):
                 self._lost_nodes[host] = record["node"]
+        self._prepare_takeover(host, record)
+
+    def _prepare_takeover(self, host: str, record: Mapping[str, Any]) -> None:
+        """A spare that learns of a lost host looks up, in the background, which peers
+        hold replicas of the lost host's ranks and hands them to :attr:`take_over`: it can
+        bring them into its memory while the survivors stop and the next round forms,
+        which it most likely joins in the lost host's place."""
+        with self._lock:
+            if (self.take_over is None or self._record["state"] != "waiting"
+                    or host in self._taken_over):
+                return
+            self._taken_over.add(host)
+        ranks = {rank for rank in record.get("ranks") or [] if isinstance(rank, int)}
+        if ranks:
+            threading.Thread(target=self._find_replicas, args=(ranks,),
+                             name="gemini-takeover", daemon=True).start()
+
+    def _find_replicas(self, ranks: set[int]) -> None:
+        prefix = self.prefix + "replicas/"
+        try:
+            peers = self.running_peers()
+            found = self.store.get_prefix(prefix)
+        except StoreError as exc:
+            logger.info("cannot look up the replicas of a lost host: %s", exc)
+            return
+        copies: dict[int, list[tuple[tuple[str, int], int]]] = {}
+        for key, value in found.items():
+            rank, _, holder = key[len(prefix):].partition("/")
+            step = _parse_record(value).get("step")
+            if rank.isdigit() and int(rank) in ranks and holder in peers and isinstance(step, int):
+                copies.setdefault(int(rank), []).append((peers[holder], step))
+        for held in copies.values():
+            held.sort(key=lambda copy: -copy[1])
+        if copies and self.take_over is not None:
+            self.take_over(copies)
 
     def lost_nodes(self) -> frozenset[str]:
         """The rendezvous nodes of the lost hosts whose node is known."""
@@ -335,6 +375,7 @@ class CoordinationService:
             self._lost.add(host)
             if isinstance(node, str):
                 self._lost_nodes[host] = node
+        self._prepare_takeover(host, fields)
         if self.is_root:
             self.record_event("host_lost", {"lost": host})
 

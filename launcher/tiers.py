@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: Seconds a round waits for the pulls a spare began when it learned of a lost host
+#: (:meth:`MemoryService.take_over`) before aborting them: what they have not brought in
+#: by then is pulled again as the plan says.
+TAKE_OVER_WAIT = 2.0
+
 
 class MemoryService:
     """The supervisor service of the checkpoint tiers (see ``elastic_agent.SupervisorService``).
@@ -65,6 +70,8 @@ class MemoryService:
         self.server.arrival = self._arrival
         self._arrivals: dict[int, Future[int | None]] = {}  # rank -> its restore, on its way
         self._pulling: threading.Thread | None = None
+        self._taking_over: threading.Thread | None = None  # see take_over
+        self._stop_taking_over = threading.Event()
         self.events = events
         self.replication = replication
         self.persist = persist
@@ -77,11 +84,53 @@ class MemoryService:
         arrival = self._arrivals.get(rank)
         return None if arrival is None else arrival.result()
 
+    def take_over(self, copies: Mapping[int, list[tuple[tuple[str, int], int]]]) -> None:
+        """A spare learned that a host was lost: pull the newest copy of each of its ranks
+        (``copies``: per rank, the peers' ``(address, step)``, newest first) into own slots
+        of that rank, in the background, while the next round forms. If this host then
+        runs those ranks and the round restores that step, the plan finds it in memory
+        and nothing is left to pull once the workers start."""
+        if self.replication is None or (self._taking_over is not None
+                                        and self._taking_over.is_alive()):
+            return
+        replication = self.replication
+        self._stop_taking_over.clear()
+
+        def run() -> None:
+            for rank, held in sorted(copies.items()):
+                for address, step in held:
+                    if self._stop_taking_over.is_set():
+                        return
+                    began = time.monotonic()
+                    try:
+                        replication.pull(address, rank, step)
+                    except GeminiError as exc:
+                        logger.info("taking over rank %d: step %d from %s:%d failed: %s",
+                                    rank, step, *address, exc)
+                        continue
+                    self.events.write("take_over", rank=rank, step=step,
+                                      seconds=round(time.monotonic() - began, 4))
+                    break
+
+        self._taking_over = threading.Thread(target=run, name="gemini-take-over", daemon=True)
+        self._taking_over.start()
+
+    def _end_take_over(self) -> None:
+        """Let a pull begun by :meth:`take_over` finish, for a while, then abort it."""
+        if self._taking_over is None:
+            return
+        self._taking_over.join(TAKE_OVER_WAIT)
+        self._stop_taking_over.set()
+        if self._taking_over.is_alive() and self.replication is not None:
+            self.replication.abort_pulls()
+            self._taking_over.join()
+
     def before_start(self, group: WorkerGroup, store: Store) -> None:
         started = time.monotonic()
         if self._pulling is not None:  # the last round's transfers end before this one's
             self._pulling.join()
             self._pulling = None
+        self._end_take_over()
         if self.replication is not None:
             self.replication.pause()
         ranks = [w.global_rank for w in group.workers]

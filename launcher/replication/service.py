@@ -168,6 +168,7 @@ class ReplicationService:
         self._lock = threading.Lock()
         self._holders: list[tuple[str, int]] = []
         self._clients: dict[tuple[str, int], transport.Client] = {}
+        self._pulls: set[transport.Client] = set()  # in flight: see abort_pulls
         self._pushed: dict[tuple[tuple[str, int], int], int] = {}  # (holder, rank) -> step
         self._commits: dict[int, tuple[int, float]] = {}  # rank -> (newest step, seen at)
         self._interval: dict[int, float] = {}  # rank -> iteration time (EWMA, seconds)
@@ -236,10 +237,21 @@ class ReplicationService:
         a replica slot of ``rank`` (verified and committed there)."""
         own = rank if into is None else into
         client = self.client(address)
+        with self._lock:
+            self._pulls.add(client)
         try:
             return client.pull(rank, step, lambda nbytes: self.owner.write_target(
                 own, nbytes, replica=replica))
         finally:
+            with self._lock:
+                self._pulls.discard(client)
+            client.close()
+
+    def abort_pulls(self) -> None:
+        """Make every pull in flight fail at once (its target slot stays WRITING)."""
+        with self._lock:
+            pulls = list(self._pulls)
+        for client in pulls:
             client.close()
 
     # -- the sender ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ in tests/integration/test_coordination.py.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -67,10 +68,11 @@ def test_the_replication_secret_lives_as_long_as_the_run(tmp_path: Path) -> None
 
 
 def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Path) -> None:
-    """Three supervisors' coordination services on one store. h1 stops listening where
-    its replication server was (its supervisor died); h0 declares it dead: h1's lease is
-    revoked, and h2 counts it lost through its watch, well within the TTL. h2 still
-    listens: h0 leaves it alone."""
+    """Three supervisors' coordination services on one store, and a spare. h1 stops
+    listening where its replication server was (its supervisor died); h0 declares it
+    dead: h1's lease is revoked, and h2 counts it lost through its watch, well within the
+    TTL. h2 still listens: h0 leaves it alone. The spare learns of it too, and is handed
+    the live peers' replicas of h1's ranks to take over."""
     import socket
 
     from launcher.coordination import CoordinationService
@@ -81,16 +83,21 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
     run_id = f"dead-{tmp_path.name}"
     listening = socket.create_server(("127.0.0.1", 0))
     hosts: dict[str, tuple[CoordinationService, SlotOwner]] = {}
+    handed: list[object] = []
+    running_handed: list[object] = []
     try:
-        for name in ("h0", "h1", "h2"):
+        for name in ("h0", "h1", "h2", "spare"):
             owner = SlotOwner(run_id=run_id, host_id=name, local_world_size=1)
             hosts[name] = (CoordinationService(open_store(url), run_id=run_id, host_id=name,
                                                owner=owner, ttl=30.0), owner)
         gone = free_port()  # nothing listens there
         for name, port in (("h1", gone), ("h2", listening.getsockname()[1])):
             hosts[name][0].describe(state="running", replication=["127.0.0.1", port],
-                                    node=f"addr_{name}_0")
-        h0, h2 = hosts["h0"][0], hosts["h2"][0]
+                                    node=f"addr_{name}_0", ranks=[int(name[1])])
+        h0, h2, spare = hosts["h0"][0], hosts["h2"][0], hosts["spare"][0]
+        spare.take_over, h2.take_over = handed.append, running_handed.append
+        for holder, step in (("h2", 7), ("h1", 9)):  # what each published of rank 1
+            h0.store.put(h0.prefix + f"replicas/1/{holder}", json.dumps({"step": step}).encode())
         dead = h0.declare_dead(["h1", "h2"])
         assert list(dead) == ["h1"] and str(gone) in dead["h1"], dead
         assert h0.lost_hosts() == {"h1"} and h0.lost_nodes() == {"addr_h1_0"}
@@ -100,6 +107,12 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
             time.sleep(0.05)
         assert h2.lost_nodes() == {"addr_h1_0"}
         assert h0.declare_dead(["h1", "h2"]) == {}  # already lost; h2 still listens
+        while not handed:
+            assert time.monotonic() < deadline, "the spare was not handed h1's ranks"
+            time.sleep(0.05)
+        # h1's own replica went with it; h2's is the one copy left
+        assert handed == [{1: [(("127.0.0.1", listening.getsockname()[1]), 7)]}]
+        assert not running_handed  # a running host keeps its own ranks
     finally:
         listening.close()
         for service, owner in hosts.values():
