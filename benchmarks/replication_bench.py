@@ -325,8 +325,9 @@ def _phases(variant: Variant, run_root: Path, survivors: list[str], faulted: flo
     plan = next((e for e in plans if e["host"] == "new"), plans[-1])
     transfer = float(plan["transfer_seconds"])  # type: ignore[arg-type]
     planned = float(plan["ts"])  # type: ignore[arg-type]
-    want = ({"persist"} if "--persist-dir" in variant.args else {"peer"} if plan["host"] == "new"
-            else {"memory", "peer"} if variant.shrink else {"memory"})
+    # the spare's copy is in its memory when it took the lost host's ranks over early
+    want = ({"persist"} if "--persist-dir" in variant.args else {"memory", "peer"}
+            if plan["host"] == "new" or variant.shrink else {"memory"})
     if not set(plan["sources"].values()) <= want:  # type: ignore[union-attr]
         raise RuntimeError(f"expected a restore from {want}: {plan}")
     return {"detection": detected - faulted, "rendezvous": planned - transfer - detected,

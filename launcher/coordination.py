@@ -108,7 +108,7 @@ class CoordinationService:
         self.persist_status: Callable[[], Mapping[int, int]] | None = None
         self.take_over: Callable[[Mapping[int, list[tuple[tuple[str, int], int]]]], None] | None = None
         """Called, while this host is a spare, with the copies of a lost host's ranks that
-        the peers hold (per rank, ``(replication address, step)``, newest step first): see
+        the peers hold (per rank, ``(replication address, step)``, best first): see
         :meth:`_prepare_takeover`."""
         self._taken_over: set[str] = set()
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
@@ -253,21 +253,28 @@ class CoordinationService:
                              name="gemini-takeover", daemon=True).start()
 
     def _find_replicas(self, ranks: set[int]) -> None:
+        """The copies of ``ranks`` on live peers: of the replication's globally
+        restorable step s* first (every holder keeps it; the round restores it, or a
+        newer step when one completed meanwhile), then of the newest step each peer
+        published (published every few seconds: it may be gone by now)."""
         prefix = self.prefix + "replicas/"
         try:
             peers = self.running_peers()
             found = self.store.get_prefix(prefix)
+            sstar = _parse_record(self.store.get(self.prefix + "replication/plan")).get("sstar")
         except StoreError as exc:
-            logger.info("cannot look up the replicas of a lost host: %s", exc)
+            logger.warning("cannot look up the replicas of a lost host: %s", exc)
             return
         copies: dict[int, list[tuple[tuple[str, int], int]]] = {}
-        for key, value in found.items():
+        for key, value in sorted(found.items()):
             rank, _, holder = key[len(prefix):].partition("/")
             step = _parse_record(value).get("step")
             if rank.isdigit() and int(rank) in ranks and holder in peers and isinstance(step, int):
-                copies.setdefault(int(rank), []).append((peers[holder], step))
-        for held in copies.values():
-            held.sort(key=lambda copy: -copy[1])
+                steps = [s for s in (sstar, step) if isinstance(s, int) and s >= 0]
+                copies.setdefault(int(rank), []).extend(
+                    (peers[holder], s) for s in dict.fromkeys(steps))
+        for held in copies.values():  # s* from every holder first
+            held.sort(key=lambda copy: copy[1] != sstar)
         if copies and self.take_over is not None:
             self.take_over(copies)
 

@@ -86,7 +86,7 @@ class MemoryService:
 
     def take_over(self, copies: Mapping[int, list[tuple[tuple[str, int], int]]]) -> None:
         """A spare learned that a host was lost: pull the newest copy of each of its ranks
-        (``copies``: per rank, the peers' ``(address, step)``, newest first) into own slots
+        (``copies``: per rank, the peers' ``(address, step)``, best first) into own slots
         of that rank, in the background, while the next round forms. If this host then
         runs those ranks and the round restores that step, the plan finds it in memory
         and nothing is left to pull once the workers start."""
@@ -105,7 +105,7 @@ class MemoryService:
                     try:
                         replication.pull(address, rank, step)
                     except GeminiError as exc:
-                        logger.info("taking over rank %d: step %d from %s:%d failed: %s",
+                        logger.warning("taking over rank %d: step %d from %s:%d failed: %s",
                                     rank, step, *address, exc)
                         continue
                     self.events.write("take_over", rank=rank, step=step,

@@ -98,6 +98,7 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
         spare.take_over, h2.take_over = handed.append, running_handed.append
         for holder, step in (("h2", 7), ("h1", 9)):  # what each published of rank 1
             h0.store.put(h0.prefix + f"replicas/1/{holder}", json.dumps({"step": step}).encode())
+        h0.store.put(h0.prefix + "replication/plan", json.dumps({"sstar": 8}).encode())
         dead = h0.declare_dead(["h1", "h2"])
         assert list(dead) == ["h1"] and str(gone) in dead["h1"], dead
         assert h0.lost_hosts() == {"h1"} and h0.lost_nodes() == {"addr_h1_0"}
@@ -110,8 +111,10 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
         while not handed:
             assert time.monotonic() < deadline, "the spare was not handed h1's ranks"
             time.sleep(0.05)
-        # h1's own replica went with it; h2's is the one copy left
-        assert handed == [{1: [(("127.0.0.1", listening.getsockname()[1]), 7)]}]
+        # h1's own replica went with it; h2 holds s* (pinned), and published step 7
+        # a while ago: s* first
+        h2_address = ("127.0.0.1", listening.getsockname()[1])
+        assert handed == [{1: [(h2_address, 8), (h2_address, 7)]}]
         assert not running_handed  # a running host keeps its own ranks
     finally:
         listening.close()
