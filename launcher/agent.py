@@ -340,6 +340,7 @@ def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
             declare_dead=host.coordination.declare_dead,
             forget=lambda: host.owner.discard_newer_than(-1),
         )
+        host.coordination.on_lost = agent.wake
         host.events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,
                           nproc_per_node=launch_config.nproc_per_node,
                           rdzv_backend=launch_config.rdzv_backend,

@@ -111,6 +111,8 @@ class CoordinationService:
         the peers hold (per rank, ``(replication address, step)``, best first): see
         :meth:`_prepare_takeover`."""
         self._taken_over: set[str] = set()
+        self.on_lost: Callable[[], None] | None = None
+        """Called (from a background thread) whenever a host is found lost."""
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._probing = threading.Lock()
@@ -235,6 +237,11 @@ class CoordinationService:
             self._lost.add(host)
             if isinstance(record.get("node"), str):
                 self._lost_nodes[host] = record["node"]
+        self._found_lost(host, record)
+
+    def _found_lost(self, host: str, record: Mapping[str, Any]) -> None:
+        if self.on_lost is not None:
+            self.on_lost()
         self._prepare_takeover(host, record)
 
     def _prepare_takeover(self, host: str, record: Mapping[str, Any]) -> None:
@@ -382,7 +389,7 @@ class CoordinationService:
             self._lost.add(host)
             if isinstance(node, str):
                 self._lost_nodes[host] = node
-        self._prepare_takeover(host, fields)
+        self._found_lost(host, fields)
         if self.is_root:
             self.record_event("host_lost", {"lost": host})
 

@@ -21,12 +21,15 @@ import json
 import logging
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed import DistStoreError
+from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.agent.server.api import (
     _TERMINAL_STATE_SYNC_ID as _EXIT_BARRIER,
 )
@@ -143,6 +146,25 @@ class SupervisorService(Protocol):
     def close(self) -> None: ...
 
 
+class _MonitorClock:
+    """The ``time`` module as torch's agent module sees it, except that ``sleep`` (the
+    monitor loop's wait between two looks at the workers) ends early when woken: a host
+    confirmed lost restarts the round at once, not at the next look."""
+
+    def __init__(self) -> None:
+        self.woken = threading.Event()
+
+    def sleep(self, seconds: float) -> None:
+        if self.woken.wait(seconds):
+            self.woken.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+_CLOCK = _MonitorClock()
+
+
 class GeminiAgent(LocalElasticAgent):
     """LocalElasticAgent plus a per-round worker store, events and services."""
 
@@ -171,9 +193,15 @@ class GeminiAgent(LocalElasticAgent):
         self._reported_failure = False
         self._last_failure: RunResult | None = None
         self._spare_noted = False
+        self._stopping: Future[None] | None = None  # see _stop_while_rejoining
+        setattr(agent_api, "time", _CLOCK)  # noqa: B010  (see _MonitorClock)
         handler = self._worker_group.spec.rdzv_handler
         self._waiting = handler.num_nodes_waiting
         handler.num_nodes_waiting = self._num_nodes_waiting  # type: ignore[method-assign]
+
+    def wake(self) -> None:
+        """Look at the workers and the round's members now (a host was found lost)."""
+        _CLOCK.woken.set()
 
     def run_job(self) -> RunResult | None:
         """torch's ``run``; None when the job ended without needing this host (torch's
@@ -368,6 +396,7 @@ class GeminiAgent(LocalElasticAgent):
     # -- workers -------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         assert self._round_store is not None  # set by _rendezvous
+        self._stopped()
         for service in self._services:
             service.before_start(worker_group, self._round_store)
         self._reported_failure = False
@@ -507,7 +536,9 @@ class GeminiAgent(LocalElasticAgent):
         )
         round_store, world = self._store, _group_world(worker_group)
         try:
-            super()._restart_workers(worker_group)
+            self._stop_while_rejoining(worker_group)
+            worker_group.state = WorkerState.STOPPED
+            self._initialize_workers(worker_group)
         except RendezvousClosedError:
             if self._fenced:
                 raise _NotNeeded() from None
@@ -522,3 +553,28 @@ class GeminiAgent(LocalElasticAgent):
                 logger.warning("cannot reach the exit barrier: %s", exc)
             assert self._last_failure is not None  # set with the failure
             raise _RoundClosed(self._last_failure) from None
+        finally:
+            self._stopped()
+
+    def _stop_while_rejoining(self, worker_group: WorkerGroup) -> None:
+        """Stop this round's workers in the background: their exit (SIGTERM, then their
+        teardown) overlaps the next rendezvous, which does not depend on it. The new
+        round's services and workers start only once it is done (:meth:`_stopped`)."""
+        stopping: Future[None] = Future()
+
+        def stop() -> None:
+            try:
+                self._stop_workers(worker_group)
+            except BaseException as exc:  # re-raised where the restart waits for it
+                stopping.set_exception(exc)
+            else:
+                stopping.set_result(None)
+
+        self._stopping = stopping
+        threading.Thread(target=stop, name="gemini-stop-workers", daemon=True).start()
+
+    def _stopped(self) -> None:
+        """Wait for the workers stopped by :meth:`_stop_while_rejoining`; re-raise its error."""
+        stopping, self._stopping = self._stopping, None
+        if stopping is not None:
+            stopping.result()
