@@ -35,3 +35,9 @@ def exit_code(exc: BaseException) -> int:
         if isinstance(exc, cls):
             return code
     return INTERNAL_EXIT
+
+
+def code_for(kind: type[BaseException]) -> int:
+    """The exit code of errors of ``kind``, for a command that reports one without
+    raising it (``gemini inspect`` prints every slot, then exits as for a corrupt one)."""
+    return next((code for cls, code in EXIT_CODES if issubclass(kind, cls)), INTERNAL_EXIT)

@@ -9,6 +9,9 @@ from typing import Any
 
 import click
 
+from gemini_cli.errors import code_for
+from launcher.errors import CheckpointError
+
 SCHEMA = "gemini.inspect/v1"
 
 
@@ -38,15 +41,14 @@ def inspect_command(run_id: str | None, persist_dir: Path | None, tensors: bool,
     else:
         from launcher import memory
 
-        prefix = memory.PREFIX + (memory.run_key(run_id) if run_id else "")
-        rows = [_row(info, tensors) for info in memory.iter_slots(prefix, check=not no_verify)]
+        rows = [_row(info, tensors) for info in memory.run_slots(run_id, check=not no_verify)]
         where, key, title = str(memory.SHM_DIR), "shm_dir", "in-memory checkpoints in"
     if as_json:
         click.echo(json.dumps({"schema": SCHEMA, key: where, "slots": rows}, indent=2))
     else:
         _render(rows, tensors, where, title)
     corrupt = any(r["state"] == "COMMITTED" and r["error"] for r in rows)
-    return 5 if corrupt else 0
+    return code_for(CheckpointError) if corrupt else 0
 
 
 def _row(info: Any, with_tensors: bool) -> dict[str, Any]:

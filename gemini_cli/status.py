@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
@@ -30,32 +29,19 @@ def status_command(store_url: str | None, run_id: str | None, as_json: bool,
 
     Exit code 0; 3 when the store is unreachable; 2 when the run is unknown.
     """
-    from launcher.config import DEFAULT_RUN_ROOT, default_store_url, env_values
-    from launcher.coordination import list_runs, read_status
-    from launcher.errors import UsageError
-    from launcher.store import EtcdCredentials, open_store
+    from launcher.coordination import RunReader
 
-    url = store_url or os.environ.get("GEMINI_STORE") or default_store_url(
-        os.environ.get("GEMINI_RUN_ROOT", DEFAULT_RUN_ROOT))
-    credentials = EtcdCredentials.from_values(env_values(os.environ), prefix="store_")
-    store = open_store(url, credentials=credentials)
-    try:
+    with RunReader(store_url) as reader:
         while True:
-            runs = [run_id] if run_id else list_runs(store)[:1]
-            if not runs:
-                raise UsageError(f"no run found in {url}")
-            status = read_status(store, runs[0])
-            if not status.hosts:
-                raise UsageError(f"run {runs[0]!r} not found in {url}")
+            status = reader.status(run_id)
             if as_json:
-                click.echo(json.dumps({"schema": SCHEMA, "store": url, **status.as_json()}))
+                click.echo(json.dumps({"schema": SCHEMA, "store": reader.url,
+                                       **status.as_json()}))
             else:
-                _render(status.as_json(), url, clear=watch_seconds is not None)
+                _render(status.as_json(), reader.url, clear=watch_seconds is not None)
             if watch_seconds is None:
                 return 0
             time.sleep(watch_seconds)
-    finally:
-        store.close()
 
 
 def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:

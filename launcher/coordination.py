@@ -35,7 +35,8 @@ refused) is lost once a majority of the running hosts suspect it (:meth:`suspect
 Store outages never stop training: writes are queued and retried by
 the heartbeat thread, and a lease that expired meanwhile is replaced and every key bound
 to it published again.
-:func:`read_status` turns one prefix read into the snapshot ``gemini status`` shows.
+:func:`read_status` turns one prefix read into the snapshot ``gemini status`` shows, and
+:class:`RunReader` finds the store and the run it is about.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from launcher.errors import StoreError
+from launcher.errors import StoreError, UsageError
 from launcher.store import PRIVATE_SEGMENT, KeepAlive, Lease, Store, Watch
 
 if TYPE_CHECKING:
@@ -541,6 +542,46 @@ class RunStatus:
                 "ranks": {str(k): v for k, v in sorted(self.ranks.items())},
                 "spares": self.spares, "replication": self.replication,
                 "events": self.events}
+
+
+class RunReader:
+    """What ``gemini status`` reads: the runs recorded in one coordination store.
+
+    ``url`` defaults to ``$GEMINI_STORE``, else the embedded store next to the run root
+    (``$GEMINI_RUN_ROOT``, else the default); an etcd store's credentials come from the
+    same environment variables as ``gemini run``'s.
+    """
+
+    def __init__(self, url: str | None = None, environ: Mapping[str, str] | None = None
+                 ) -> None:
+        from launcher.config import DEFAULT_RUN_ROOT, default_store_url, env_values
+        from launcher.store import EtcdCredentials, open_store
+
+        env = os.environ if environ is None else environ
+        self.url = url or env.get("GEMINI_STORE") or default_store_url(
+            env.get("GEMINI_RUN_ROOT", DEFAULT_RUN_ROOT))
+        self._store = open_store(self.url, credentials=EtcdCredentials.from_values(
+            env_values(env), prefix="store_"))
+
+    def status(self, run_id: str | None = None) -> RunStatus:
+        """The status of ``run_id``, by default of the run started last; UsageError when
+        the store knows no such run."""
+        runs = [run_id] if run_id else list_runs(self._store)[:1]
+        if not runs:
+            raise UsageError(f"no run found in {self.url}")
+        status = read_status(self._store, runs[0])
+        if not status.hosts:
+            raise UsageError(f"run {runs[0]!r} not found in {self.url}")
+        return status
+
+    def close(self) -> None:
+        self._store.close()
+
+    def __enter__(self) -> RunReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def list_runs(store: Store) -> list[str]:

@@ -97,7 +97,7 @@ def open_checkpoint(run_id: str, *, rank: int = 0, step: int | None = None,  # n
 def _memory_candidates(run_id: str, rank: int, step: int | None) -> list[str]:
     """Names of this run's own committed slots of ``rank`` on this host, newest first."""
     found = []
-    for info in memory.iter_slots(memory.PREFIX + memory.run_key(run_id), check=False):
+    for info in memory.run_slots(run_id, check=False):
         header = info.header
         if (info.replica or info.rank != rank or header is None or info.valid_step is None
                 or header.run_id != run_id[:64] or (step is not None and header.step != step)):

@@ -85,8 +85,8 @@ def _model_state(model: torch.nn.Module) -> dict[str, Any]:
 
     Where no module customises its state dict (hooks, overrides, extra state), it is read
     straight from the modules' parameters and buffers, in the order ``Module.state_dict``
-    uses: the same keys and tensors, without torch's recursive calls (the example's 26
-    modules: about 105 us within a training loop, against about 150 us)."""
+    uses: the same keys and tensors, without torch's recursive calls and their hooks'
+    bookkeeping, which are paid at every save."""
     state: dict[str, Any] = {}
     stack: list[tuple[str, torch.nn.Module]] = [("", model)]
     while stack:

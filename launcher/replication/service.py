@@ -78,8 +78,8 @@ PACE_SHARE = 0.8  # fraction of an iteration over which one snapshot is spread
 GATE_SHARE, MAX_GATE = 1.0, 5.0
 MIN_RATE = 64 << 20  # bytes/s: pacing never drops below this
 # Seconds between two looks at the slot headers when there is nothing to send: a twentieth
-# of the shortest iteration, within these bounds (a look costs 50-150 us of CPU with its
-# wake-up; looking every 2 ms took 4% of a core per host, as much as the paced traffic).
+# of the shortest iteration, within these bounds (each look wakes a thread and reads every
+# header: looking much more often costs as much CPU as the paced traffic itself).
 MIN_POLL, MAX_POLL, POLL_SHARE = 0.002, 0.05, 0.05
 STORE_POLL = 0.05  # seconds between two reads of the replication plan or reports
 REPORT_EVERY = 30.0  # seconds between two ``replication_progress`` events
