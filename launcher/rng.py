@@ -7,11 +7,11 @@ torch's optimizers do, through torch._dynamo). Each state goes into the same ten
 the batched copy of small tensors.
 
 The public getters of Python's and numpy's generators copy their 624 state words into
-new objects one by one, at every save, on the training loop's path. Both generators keep those words in the memory of their C object,
-so this module reads them from there, with ``ctypes``, at offsets that ``_probe_*``
-first checks against the getters on a private generator of the same type (drawing from
-it to change every field); where a check fails (another Python or numpy build), the
-getters are used.
+new objects one by one, at every save, on the training loop's path. Both generators
+keep those words in the memory of their C object, so this module reads them from there,
+with ``ctypes``, at offsets that ``_probe_*`` first checks against the getters on a
+private generator of the same type (drawing from it to change every field); where a
+check fails (another Python or numpy build), the getters are used.
 """
 
 from __future__ import annotations
