@@ -15,12 +15,14 @@ gloo over loopback). Printed, side by side with their baselines:
    first completed step after the restore, with 2 and 3 hosts, split into detection
    (the first survivor to know: its worker's communication error, a refused probe of
    the dead supervisor, or unanswered heartbeats), rendezvous (to the round with the
-   new host), transfer (the new host pulls its ranks) and load + first step; with a hot
-   spare, a replacement started at the loss, no spare (the survivors shrink the job;
-   with FSDP2 they reshard it), the persistent tier, and side by side torchrun restoring
-   with torch.load from a torch.save written every step to local disk. About 250 MiB of
-   state per host and a batch of 16 tokens; each step then sleeps 0.5 s, standing in for
-   GPU compute that leaves the host's CPU free;
+   new host), transfer (the new host pulls its ranks; with a hot spare mostly before the
+   round forms), worker start + restore (until the first rank printed that it resumed)
+   and the first step after it; with a hot spare, a replacement started at the loss, no
+   spare (the survivors shrink the job; with FSDP2 they reshard it), the persistent
+   tier, and side by side torchrun restoring with torch.load from a torch.save written
+   every step to local disk. About 250 MiB of state per host and a batch of 16 tokens;
+   each step then sleeps 0.5 s, standing in for GPU compute that leaves the host's CPU
+   free;
 4. the time from a host kill until every surviving supervisor knows, with 2, 4 and 8
    hosts (small state): the loss is broadcast, not passed around the ring.
 
@@ -271,7 +273,7 @@ def _lose_one(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, r
               "total": first_step - faulted}
     if variant.torchrun:
         return result
-    return {**result, **_phases(variant, run_root, survivors, faulted, first_step)}
+    return {**result, **_phases(variant, run_root, survivors, faulted, at, first_step)}
 
 
 def _fault(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, victim: str
@@ -317,8 +319,9 @@ def _resumed(h: Host, faulted: float) -> tuple[float, float] | None:
 
 
 def _phases(variant: Variant, run_root: Path, survivors: list[str], faulted: float,
-            first_step: float) -> dict[str, float]:
-    """Detection, rendezvous, transfer, load + first step, from the supervisors' events."""
+            resumed: float, first_step: float) -> dict[str, float]:
+    """Detection, rendezvous, transfer, worker start + restore and the first step, from
+    the supervisors' events and rank 0's output."""
     events = _events(run_root)
     detected = min(_first_known(run_root, survivors, faulted).values())
     plans = [e for e in events if e["event"] == "restore_plan" and float(e["ts"]) > faulted]  # type: ignore[arg-type]
@@ -331,7 +334,8 @@ def _phases(variant: Variant, run_root: Path, survivors: list[str], faulted: flo
     if not set(plan["sources"].values()) <= want:  # type: ignore[union-attr]
         raise RuntimeError(f"expected a restore from {want}: {plan}")
     return {"detection": detected - faulted, "rendezvous": planned - transfer - detected,
-            "transfer": transfer, "load + first step": first_step - planned}
+            "transfer": transfer, "start + restore": resumed - planned,
+            "first step": first_step - resumed}
 
 
 def _first_known(run_root: Path, survivors: list[str], after: float) -> dict[str, float]:
@@ -423,7 +427,7 @@ def host_loss_tables(args: argparse.Namespace) -> Iterator[list[str]]:
                               "--persist-every", "1")),
                 Variant("torchrun + torch.save/torch.load (local disk), replacement "
                         "started at the kill", torchrun=True)]
-    phases = ("detection", "rendezvous", "transfer", "load + first step", "total")
+    phases = ("detection", "rendezvous", "transfer", "start + restore", "first step", "total")
     for nodes in args.hosts:
         rows = []
         results: dict[str, list[dict[str, float]]] = {v.name: [] for v in variants}
