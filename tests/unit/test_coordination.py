@@ -71,8 +71,8 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
     """Three supervisors' coordination services on one store, and a spare. h1 stops
     listening where its replication server was (its supervisor died); h0 declares it
     dead: h1's lease is revoked, and h2 counts it lost through its watch, well within the
-    TTL. h2 still listens: h0 leaves it alone. The spare learns of it too, and is handed
-    the live peers' replicas of h1's ranks to take over."""
+    TTL, and wakes its agent. h2 still listens: h0 leaves it alone. The spare learns of it
+    too, and is handed the live peers' replicas of h1's ranks to take over."""
     import socket
 
     from launcher.coordination import CoordinationService
@@ -96,6 +96,8 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
                                     node=f"addr_{name}_0", ranks=[int(name[1])])
         h0, h2, spare = hosts["h0"][0], hosts["h2"][0], hosts["spare"][0]
         spare.take_over, h2.take_over = handed.append, running_handed.append
+        woken: list[str] = []
+        h2.on_lost = lambda: woken.append("h2")  # its agent's monitor loop looks at once
         for holder, step in (("h2", 7), ("h1", 9)):  # what each published of rank 1
             h0.store.put(h0.prefix + f"replicas/1/{holder}", json.dumps({"step": step}).encode())
         h0.store.put(h0.prefix + "replication/plan", json.dumps({"sstar": 8}).encode())
@@ -106,7 +108,7 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
         while h2.lost_hosts() != {"h1"}:
             assert time.monotonic() < deadline, "h2 did not learn of h1's death"
             time.sleep(0.05)
-        assert h2.lost_nodes() == {"addr_h1_0"}
+        assert h2.lost_nodes() == {"addr_h1_0"} and woken == ["h2"]
         assert h0.declare_dead(["h1", "h2"]) == {}  # already lost; h2 still listens
         while not handed:
             assert time.monotonic() < deadline, "the spare was not handed h1's ranks"
