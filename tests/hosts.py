@@ -61,6 +61,14 @@ def wait_for(predicate, timeout: float, what: str, hosts: list[Host],  # type: i
          details=lambda: "\n".join(f"--- {h.name}\n{h.output()[-2500:]}" for h in hosts))
 
 
+def wait_exit(waited: list[Host], hosts: list[Host], by: float = float("inf")) -> None:
+    """Wait until every host of ``waited`` has exited (at most 300 s each); on timeout
+    fail with the tail of every host of ``hosts``' output."""
+    for host in waited:
+        wait_for(lambda h=host: h.proc.poll() is not None, 300, f"{host.name} to exit",
+                 hosts, by)
+
+
 def assert_bitwise(got: dict, want: dict) -> None:
     for key in ("model", "opt"):
         flat_got, flat_want = tensors(got[key]), tensors(want[key])

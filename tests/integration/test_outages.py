@@ -20,7 +20,7 @@ import pytest
 import torch
 from etcd_server import EtcdCluster, EtcdServer
 from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, run
-from hosts import Host, assert_bitwise, wait_for
+from hosts import Host, assert_bitwise, wait_exit, wait_for
 
 from launcher.coordination import read_status
 from launcher.store import open_store
@@ -70,9 +70,7 @@ def _train_through(tmp: Path, endpoint: str, fault: Callable[[list[Host]], None]
                  for i in range(2)]
         wait_for(lambda: max(_step(h) for h in hosts) >= 5, 180, "step 5", hosts, by)
         fault(hosts)
-        for host in hosts:
-            wait_for(lambda h=host: h.proc.poll() is not None, 300, f"{host.name} to exit",
-                     hosts, by)
+        wait_exit(hosts, hosts, by)
     finally:
         for host in hosts:
             kill_group(host.proc)
@@ -221,9 +219,7 @@ def test_a_frozen_host_is_fenced_out_and_the_job_goes_on(tmp_path: Path, referen
                      "the spare to take the frozen host's place", hosts, by)
             time.sleep(2)
             _signal_host(frozen, signal.SIGCONT)
-            for host in hosts:
-                wait_for(lambda h=host: h.proc.poll() is not None, 300, f"{host.name} to exit",
-                         hosts, by)
+            wait_exit(hosts, hosts, by)
         finally:
             for host in hosts:
                 kill_group(host.proc)

@@ -23,7 +23,7 @@ import pytest
 import torch
 from etcd_server import EtcdServer
 from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, run
-from hosts import Host, assert_bitwise, wait_for
+from hosts import Host, assert_bitwise, wait_exit, wait_for
 
 # per-gradient all_reduce: bitwise reproducible across restarts with more than 2 ranks
 TRAIN = (str(SCRIPTS / "train_ckpt.py"), "--grad-sync", "params")
@@ -95,11 +95,10 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
             time.sleep(replace_after)
             for i in range(0 if spares else len(victims)):
                 hosts.append(Host(tmp, f"new{i}", argv()))
-            for host in hosts:
-                if host.name not in {by_slot[s] for s in victims}:
-                    wait_for(lambda h=host: h.proc.poll() is not None, 300, f"{host.name} to finish",
-                          hosts, by)
-                    assert host.proc.returncode == 0, host.output()[-4000:]
+            survivors = [h for h in hosts if h.name not in {by_slot[s] for s in victims}]
+            wait_exit(survivors, hosts, by)
+            for host in survivors:
+                assert host.proc.returncode == 0, host.output()[-4000:]
         finally:
             for host in hosts:
                 kill_group(host.proc)
@@ -320,11 +319,10 @@ def test_without_a_spare_the_job_shrinks_then_grows_back(tmp_path: Path) -> None
             wait_for(lambda: re.search(rf"^step {shrunk + 6} ", rank0.output(), re.M) is not None,
                      60, "steps in the world of 2", hosts, by)
             hosts.append(Host(tmp_path, "back", argv))
-            for host in hosts:
-                if host is not victim:
-                    wait_for(lambda h=host: h.proc.poll() is not None, 300,
-                             f"{host.name} to finish", hosts, by)
-                    assert host.proc.returncode == 0, host.output()[-4000:]
+            survivors = [h for h in hosts if h is not victim]
+            wait_exit(survivors, hosts, by)
+            for host in survivors:
+                assert host.proc.returncode == 0, host.output()[-4000:]
         finally:
             for host in hosts:
                 kill_group(host.proc)
