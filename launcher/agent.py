@@ -171,7 +171,10 @@ def _torchrun_config(config: RunConfig, command: Command) -> tuple[Any, Any, lis
     args = torchrun.parse_args(torchrun_argv(config, command))  # type: ignore[no-untyped-call]
     _check_backend(args.rdzv_backend)
     _apply_torchrun_defaults(args, torchrun.parse_min_max_nnodes)
-    launch_config, entrypoint, entry_args = torchrun.config_from_args(args)
+    try:
+        launch_config, entrypoint, entry_args = torchrun.config_from_args(args)
+    except ValueError as exc:  # torch's verdict on a flag (--logs-specs, say)
+        raise ConfigError(" ".join(str(exc).split())) from None
     _handle_signals(launch_config.signals_to_handle)
     if not launch_config.run_id:
         launch_config.run_id = str(uuid.uuid4().int)

@@ -96,6 +96,16 @@ def test_unwritable_persist_dir(tmp_path: Path) -> None:
         subprocess.run(["chattr", "-i", str(frozen)], capture_output=True)
 
 
+def test_a_flag_that_torch_rejects_is_a_usage_error(tmp_path: Path) -> None:
+    """torch's own check of a torchrun flag (an unknown --logs-specs entry point) ends in
+    one line and exit 2, as gemini's own checks do, before anything starts."""
+    done = run([*GEMINI, "run", "--logs-specs", "DOESNOT_EXIST", str(SCRIPTS / "env_probe.py")],
+               env=env_with(tmp_path), timeout=60)
+    assert done.returncode == 2, done.output
+    assert done.stderr.strip().splitlines()[-1].startswith("gemini: error: "), done.stderr
+    assert "DOESNOT_EXIST" in done.stderr and "Traceback" not in done.stderr
+
+
 def test_env_config_error(tmp_path: Path) -> None:
     done = run([*GEMINI, "run", str(SCRIPTS / "env_probe.py")],
                env=env_with(tmp_path, GEMINI_NPROC_PER_NODE="zero"), timeout=60)
