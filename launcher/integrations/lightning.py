@@ -36,16 +36,17 @@ The data position: Lightning 2.x resumes a data loader mid-epoch only if it has
 state saved with the loops; it restarts any other at the epoch's first batch. gemini
 fast-forwards such a plain loader when training starts (``on_train_start``): it sets the
 samplers' epoch, reads and discards the batches the epoch trained on before the saved
-step (as the Hugging Face Trainer does), then sets the random states to the saved ones;
-when the saved step ended an epoch, it restarts the loader's iteration after that, as the
-unfailed run did. The resumed run then equals the unfailed one bit for bit, at the same
-world size, if an epoch's data order is a function of the epoch (Lightning's
-``DistributedSampler`` under DDP, the default, or no shuffling). Not replayed: the order
-of a ``RandomSampler`` without a generator of its own (drawn from the global random state
-when the epoch's iteration starts) and the random state of data loader workers
-(``num_workers`` > 0, seeded then too). A ``training_step`` that takes ``dataloader_iter``
-fetches batches itself and is not fast-forwarded; a resumable loader is resumed by
-Lightning, and whether that is bit for bit depends on the loader.
+step (as the Hugging Face Trainer does; Lightning's warning that the loader restarts the
+epoch is silenced then), then sets the random states to the saved ones; when the saved
+step ended an epoch, it restarts the loader's iteration after that, as the unfailed run
+did. The resumed run then equals the unfailed one bit for bit, at the same world size,
+if an epoch's data order is a function of the epoch (Lightning's ``DistributedSampler``
+under DDP, the default, or no shuffling). Not replayed: the order of a ``RandomSampler``
+without a generator of its own (drawn from the global random state when the epoch's
+iteration starts) and the random state of data loader workers (``num_workers`` > 0,
+seeded then too). A ``training_step`` that takes ``dataloader_iter`` fetches batches
+itself and is not fast-forwarded; a resumable loader is resumed by Lightning, and
+whether that is bit for bit depends on the loader.
 
 Not saved: state only in the running process (metrics accumulated since the last log, a
 logger's buffers), as with Lightning's own checkpoints. A validation due at the saved
@@ -65,6 +66,7 @@ import importlib
 import logging
 import pickle
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -82,6 +84,7 @@ _SUPPORTED = frozenset({"SingleDeviceStrategy", "DDPStrategy"})
 # the codec takes as they are; the rest may hold any object.
 _TENSOR_PARTS = frozenset({"state_dict", "optimizer_states"})
 _PICKLED = "__gemini_pickled__"
+_NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 _LEAVES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype})
 
 
@@ -235,6 +238,8 @@ def _resume_data(trainer: Any, states: dict[str, Any]) -> int:
         # The epoch loop adds the batches already trained on to this count when it starts.
         fetcher.fetched -= done
         skipped = int(done)
+        # Its warning that a non-resumable loader restarts the epoch's data is then wrong.
+        warnings.filterwarnings("ignore", message=_NOT_RESUMABLE)
     rng.restore(states)  # after the skipped batches' draws
     return skipped
 
