@@ -72,6 +72,10 @@ def main() -> None:
         strategy="ddp", max_steps=args.steps, logger=False, enable_checkpointing=False,
         callbacks=[GeminiCheckpoints(every=1)])
     trainer.fit(CharModel())
+    # Lightning keeps the process group for later calls; a group left to the interpreter's
+    # exit can abort the process under gloo.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
