@@ -3,8 +3,10 @@
 For each framework, the same small training script (2 workers, CPU, gloo), three ways:
 without checkpoints (under torchrun), with gemini's in-memory checkpoint every step
 (under ``gemini run``), and with the framework's own checkpoint to local disk every step
-(under torchrun). Printed: the median step (its checkpoint included) and the ratio to
-the run without checkpoints. The variants are interleaved round by round.
+(under torchrun: the Trainer's ``save_strategy``, ``Accelerator.save_state``, Lightning's
+``ModelCheckpoint(every_n_train_steps=1)``). Printed: the median step (its checkpoint
+included) and the ratio to the run without checkpoints. The variants are interleaved
+round by round.
 
     python benchmarks/integrations_bench.py --repeat 3
 """
@@ -30,6 +32,8 @@ FRAMEWORKS = {
         str(SCRIPTS / "train_hf.py"), "--steps", "40", "--n-embd", "256", "--n-layer", "4"],
     "accelerate (MLP, width 4096)": [
         str(SCRIPTS / "train_accelerate.py"), "--steps", "40", "--width", "4096"],
+    "Lightning Trainer (MLP, width 4096)": [
+        str(SCRIPTS / "train_lightning.py"), "--steps", "40", "--width", "4096"],
 }
 MODES = {
     "no checkpoint (torchrun)": ("torchrun", "none"),

@@ -647,9 +647,26 @@ class Checkpointer:
             torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
 
     # -- the copy (on the background thread) ----------------------------------------------
-    def _before_optimizer_step(self, *_: Any) -> None:
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                               kwargs: dict[str, Any]
+                               ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Wait for a pending copy before the step changes parameters. A step given a
+        closure (Lightning's, LBFGS) runs forward and backward inside ``step()``, before
+        any update: the wait moves to after the closure, so the copy still overlaps them."""
         self.heartbeat()
-        self.wait()
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if not callable(closure):
+            self.wait()
+            return None
+
+        def closure_then_wait(*a: Any, **kw: Any) -> Any:
+            result = closure(*a, **kw)
+            self.wait()
+            return result
+
+        if len(args) > 1:
+            return (args[0], closure_then_wait, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_wait}
 
     def _attach_heartbeat(self) -> None:
         """Map this rank's counter in the supervisor's heartbeat segment (launcher.health)."""

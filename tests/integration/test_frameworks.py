@@ -69,3 +69,35 @@ def test_an_accelerate_loop_resumes_from_memory(tmp_path: Path) -> None:
     assert got["losses"] == {s: expected["losses"][s] for s in range(6, 12)}
     for key, tensor in expected["weights"].items():
         assert torch.equal(got["weights"][key], tensor), key
+
+
+def test_a_lightning_trainer_resumes_from_memory(tmp_path: Path) -> None:
+    """A Lightning Trainer (DDP over gloo, 16 steps over 2 epochs of a plain DataLoader
+    that Lightning gives a shuffling DistributedSampler; dropout, AdamW, a per-step LR
+    schedule) with ``launcher.integrations.lightning``. Rank 1 is killed once step 11 is
+    committed: both ranks restart and ``fit`` resumes at global step 11 from memory,
+    without ``ckpt_path``, 3 batches into the second epoch (the loader fast-forwarded with
+    that epoch's order). Rank 0 is killed once step 8, the first epoch's last, is
+    committed: the second epoch starts its data anew after the resume, as the unfailed
+    run's did. Each time, the final weights and the losses of the steps after the resume
+    equal an unfailed run's."""
+    script = [str(SCRIPTS / "train_lightning.py"), "--steps", "16", "--output-dir",
+              str(tmp_path / "pl")]
+    ref = run([*GEMINI, "run", "--nproc-per-node", "2", *script, "--out",
+               str(tmp_path / "ref.pt")], env=env_with(tmp_path), timeout=300)
+    assert ref.returncode == 0, ref.output[-4000:]
+    expected = torch.load(tmp_path / "ref.pt")
+    assert expected["global_step"] == 16 and sorted(expected["losses"]) == list(range(1, 17))
+    for rank, step in ((1, 11), (0, 8)):
+        out = tmp_path / f"out-{rank}-{step}.pt"
+        done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "1", *script,
+                    "--kill", f"{rank}:{step}", "--out", str(out)],
+                   env=env_with(tmp_path), timeout=300)
+        assert done.returncode == 0, done.output[-4000:]
+        assert _starts(done.stdout) == {0: [0, step], 1: [0, step]}, done.stdout[-3000:]
+        got = torch.load(out)
+        assert got["global_step"] == 16
+        assert got["losses"] == {s: expected["losses"][s] for s in range(step + 1, 17)}, step
+        assert sorted(got["weights"]) == sorted(expected["weights"])
+        for key, tensor in expected["weights"].items():
+            assert torch.equal(got["weights"][key], tensor), (step, key)
