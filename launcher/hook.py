@@ -650,12 +650,14 @@ class Checkpointer:
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
                                kwargs: dict[str, Any]
                                ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """Wait for a pending copy before the step changes parameters. A step given a
-        closure (Lightning's, LBFGS) runs forward and backward inside ``step()``, before
-        any update: the wait moves to after the closure, so the copy still overlaps them."""
+        """Wait for a pending copy before the step changes parameters. A step of torch's
+        own optimizers given a closure (Lightning's, LBFGS) runs it, forward and backward,
+        before any update: the wait moves to after the closure, so the copy still overlaps
+        them. Any other optimizer may change parameters before it calls its closure (SAM
+        perturbs them first): it waits before the step."""
         self.heartbeat()
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
-        if not callable(closure):
+        if not callable(closure) or not type(optimizer).__module__.startswith("torch.optim."):
             self.wait()
             return None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -320,6 +321,71 @@ def test_a_snapshot_holds_the_state_as_save_found_it(supervisor: SlotServer,
     assert opt2.param_groups[0]["betas"] == (0.9, 0.999)
     assert extra2["seen"] == [1, 2] and extra2["sched"].last_epoch == 1
     assert torch.equal(torch.get_rng_state(), rng_state)
+
+
+class _PerturbFirst(torch.optim.SGD):
+    """Changes the parameters before it calls its closure, as SAM does."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        with torch.no_grad():
+            for group in self.param_groups:
+                for param in group["params"]:
+                    param.add_(1.0)
+        loss = closure() if closure is not None else None
+        super().step()
+        return loss
+
+
+def test_a_step_with_a_closure_waits_for_the_copy_before_any_update(
+        supervisor: SlotServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's own optimizers call their closure (forward and backward: Lightning's
+    step) before updating anything: the copy of the last save overlaps it, and the
+    update waits for it. An optimizer of another kind may change the parameters before
+    its closure: its step waits for the copy first, and the snapshot holds the values
+    at save()."""
+    model, opt = _model()
+    ckpt = hook.Checkpointer(model=model, optimizer=opt)
+    ckpt.restore()
+    _train(model, opt)
+    ckpt.save(0)
+    ckpt.wait()
+    assert ckpt._worker is not None
+    released = threading.Event()
+    ckpt._worker.submit(lambda: released.wait(20), threading.Event())  # holds the copy
+    ckpt.save(1)
+
+    def closure() -> torch.Tensor:
+        released.set()  # reached before the step waited for the copy
+        opt.zero_grad()
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        return loss
+
+    began = time.monotonic()
+    opt.step(closure)
+    assert time.monotonic() - began < 10  # the closure did not wait for the held copy
+    ckpt.close()
+
+    model, _ = _model()
+    perturbing = _PerturbFirst(model.parameters(), lr=0.1)
+    ckpt = hook.Checkpointer(model=model, optimizer=perturbing)
+    ckpt.restore()  # a fresh start (RESTORE_STEP -1)
+    ckpt.save(2)
+    ckpt.wait()
+    gate = threading.Event()
+    assert ckpt._worker is not None
+    ckpt._worker.submit(gate.wait, threading.Event())
+    ckpt.save(3)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    threading.Timer(0.3, gate.set).start()  # the copy runs once the step waits for it
+    perturbing.step(lambda: model(torch.randn(4, 8)).square().mean())
+    ckpt.close()
+
+    model2, _ = _model()
+    monkeypatch.setenv(contract.ENV_RESTORE_STEP, "3")
+    hook.Checkpointer(model=model2, optimizer=_PerturbFirst(model2.parameters(), lr=0.1)).restore()
+    for key, value in model2.state_dict().items():
+        assert torch.equal(value, expected[key]), key
 
 
 def test_the_save_thread_runs_on_idle_cpu_time(supervisor: SlotServer) -> None:
