@@ -14,6 +14,7 @@ Prints "resume rank=R start=S" (S: the first step this attempt runs); rank 0 pri
 import argparse
 import os
 import signal
+import sys
 import time
 
 import torch
@@ -88,3 +89,8 @@ if rank == 0 and args.out:
     torch.save({"weights": accelerator.unwrap_model(model).state_dict(), "losses": losses},
                args.out)
 accelerator.end_training()
+sys.stdout.flush()
+# accelerate leaves the process group to the interpreter's exit, where gloo can abort the
+# process ("terminate called without an active exception", pytorch/pytorch#190489): a
+# worker that finished would then count as failed. Its work is done and flushed here.
+os._exit(0)
