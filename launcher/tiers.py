@@ -85,9 +85,9 @@ class MemoryService:
         return None if arrival is None else arrival.result()
 
     def take_over(self, copies: Mapping[int, list[tuple[tuple[str, int], int]]]) -> None:
-        """A spare learned that a host was lost: pull the newest copy of each of its ranks
-        (``copies``: per rank, the peers' ``(address, step)``, best first) into own slots
-        of that rank, in the background, while the next round forms. If this host then
+        """A spare learned that a host was lost: pull one copy of each of its ranks (the
+        first of ``copies`` that a peer serves: per rank, ``(address, step)``, best first)
+        into own slots of that rank, in the background, while the next round forms. If this host then
         runs those ranks and the round restores that step, the plan finds it in memory
         and nothing is left to pull once the workers start."""
         if self.replication is None or (self._taking_over is not None
@@ -106,7 +106,7 @@ class MemoryService:
                         replication.pull(address, rank, step)
                     except GeminiError as exc:
                         logger.warning("taking over rank %d: step %d from %s:%d failed: %s",
-                                    rank, step, *address, exc)
+                                       rank, step, *address, exc)
                         continue
                     self.events.write("take_over", rank=rank, step=step,
                                       seconds=round(time.monotonic() - began, 4))
