@@ -4,7 +4,8 @@ For each framework, the same small training script (2 workers, CPU, gloo), three
 without checkpoints (under torchrun), with gemini's in-memory checkpoint every step
 (under ``gemini run``), and with the framework's own checkpoint to local disk every step
 (under torchrun: the Trainer's ``save_strategy``, ``Accelerator.save_state``, Lightning's
-``ModelCheckpoint(every_n_train_steps=1)``). Printed: the median step (its checkpoint
+``ModelCheckpoint(every_n_train_steps=1)``, ``torch.distributed.checkpoint.save`` of the
+DCP app state). Printed: the median step (its checkpoint
 included) and the ratio to the run without checkpoints. The variants are interleaved
 round by round.
 
@@ -34,6 +35,8 @@ FRAMEWORKS = {
         str(SCRIPTS / "train_accelerate.py"), "--steps", "40", "--width", "4096"],
     "Lightning Trainer (MLP, width 4096)": [
         str(SCRIPTS / "train_lightning.py"), "--steps", "40", "--width", "4096"],
+    "DCP Stateful app state (FSDP2 MLP, width 4096)": [
+        str(SCRIPTS / "train_fsdp.py"), "--steps", "40", "--width", "4096", "--app-state"],
 }
 MODES = {
     "no checkpoint (torchrun)": ("torchrun", "none"),

@@ -178,8 +178,8 @@ def test_etcd_v3_rendezvous_survives_the_first_host(tmp_path: Path) -> None:
                     "--max-restarts", "3", "--store", etcd.url,
                     str(SCRIPTS / "train_ckpt.py"), "--steps", str(steps), "--sleep", "0.05"]
 
-        first = start(host("h0", 400), env=env_with(tmp_path, GEMINI_HOST_ID="h0"))
-        second = start(host("h1", 400), env=env_with(tmp_path, GEMINI_HOST_ID="h1"))
+        first = start(host("h0", 200), env=env_with(tmp_path, GEMINI_HOST_ID="h0"))
+        second = start(host("h1", 200), env=env_with(tmp_path, GEMINI_HOST_ID="h1"))
         try:
             assert second.stdout is not None
             lines = []
@@ -199,7 +199,7 @@ def test_etcd_v3_rendezvous_survives_the_first_host(tmp_path: Path) -> None:
             # (a failure) or a heartbeat (a membership change).
             resumed = re.search(r"^resume rank=0 start=(\d+) attempt=[01] ", out, re.M)
             assert resumed and int(resumed.group(1)) > 0, output[-4000:]
-            assert "step 399 " in out
+            assert "step 199 " in out
         finally:
             kill_group(first)
             kill_group(second)

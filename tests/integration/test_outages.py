@@ -164,7 +164,7 @@ def test_hung_etcd_within_the_window_then_past_it(tmp_path: Path, reference: dic
         stopped_at = max(_step(h) for h in first)
         assert stopped_at < STEPS - 1
         again = _train_through(tmp_path, etcd.endpoint, lambda _: None, *extra,
-                               private_mount=False)
+                               private_mount=False, sleep=0.0)
     for host in again:
         assert host.proc.returncode == 0, host.output()[-4000:]
     plans = [e for e in events(tmp_path / "runs") if e["event"] == "restore_plan"

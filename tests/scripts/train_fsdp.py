@@ -10,7 +10,12 @@ Checkpointer: its model and optimizer state are DTensors sharded across the rank
   --app-state        hand the Checkpointer only a torch.distributed.checkpoint Stateful
                      app state (get_state_dict/set_state_dict), as DCP users and
                      torchtitan do, instead of the model and optimizer
-Prints "resume rank=R start=S attempt=A world=W" and "step N" (rank 0).
+  --mode MODE        gemini (default): in-memory checkpoints every step; none: without
+                     them; disk: torch.distributed.checkpoint.save of the app state to
+                     --output-dir every step instead (benchmarks; with --app-state)
+  --width N          hidden width (benchmarks)
+Prints "resume rank=R start=S attempt=A world=W" and "step N" (rank 0); rank 0 prints
+"median_step_ms=X" at the end (a step with its checkpoint).
 """
 
 import argparse
@@ -21,6 +26,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
@@ -34,6 +40,9 @@ p.add_argument("--out", default="")
 p.add_argument("--dump", default="")
 p.add_argument("--sleep", type=float, default=0.0)
 p.add_argument("--app-state", action="store_true")
+p.add_argument("--mode", choices=["gemini", "none", "disk"], default="gemini")
+p.add_argument("--width", type=int, default=33)
+p.add_argument("--output-dir", default="")
 args = p.parse_args()
 
 
@@ -57,7 +66,8 @@ rank = dist.get_rank()
 attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 torch.manual_seed(0)
 torch.use_deterministic_algorithms(True)
-model = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.Tanh(), torch.nn.Linear(33, 4))
+model = torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(),
+                            torch.nn.Linear(args.width, 4))
 for layer in model:
     if isinstance(layer, torch.nn.Linear):
         fully_shard(layer)
@@ -80,8 +90,11 @@ class AppState(Stateful):
                        optim_state_dict=state["optim"])
 
 
-if args.app_state:
-    ckpt = Checkpointer(extra={"app": AppState(model, opt)})
+app_state = AppState(model, opt)
+if args.mode != "gemini":
+    ckpt = Checkpointer()
+elif args.app_state:
+    ckpt = Checkpointer(extra={"app": app_state})
 else:
     ckpt = Checkpointer(model=model, optimizer=opt)
 start = ckpt.restore()
@@ -90,7 +103,9 @@ print(f"resume rank={rank} start={start} attempt={attempt} world={world}", flush
 if args.dump and start:
     dump(f"restored-{world}-{start - 1}.pt")
 kill = tuple(map(int, args.kill.split(":"))) if args.kill else None
+times: list[float] = []
 for step in range(start, args.steps):
+    began = time.perf_counter()
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + rank))
     loss = model(x).pow(2).mean()
     loss.backward()
@@ -98,7 +113,11 @@ for step in range(start, args.steps):
     opt.zero_grad()
     if args.dump:  # before the save: a committed step always has its dump
         dump(f"saved-{world}-{step}.pt")
-    ckpt.save(step)
+    if args.mode == "gemini":
+        ckpt.save(step)
+    elif args.mode == "disk":
+        dcp.save({"app": app_state}, checkpoint_id=args.output_dir)
+    times.append(time.perf_counter() - began)
     if rank == 0:
         print(f"step {step}", flush=True)
     time.sleep(args.sleep)
@@ -106,6 +125,8 @@ for step in range(start, args.steps):
         ckpt.wait()
         os.kill(os.getpid(), signal.SIGKILL)
 ckpt.close()
+if rank == 0 and times:
+    print(f"median_step_ms={1e3 * sorted(times)[len(times) // 2]:.2f}", flush=True)
 full = full_state()
 if rank == 0 and args.out:
     torch.save(full, args.out)
