@@ -55,10 +55,17 @@ def _byte_size(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--failures", type=click.IntRange(min=0), default=2, show_default=True,
               help="Simultaneous host failures k for the recovery probability.")
 @click.option("--state-bytes", callback=_byte_size, default=None, metavar="SIZE",
-              help="One host's checkpoint size (e.g. 512MiB, 2GiB, 1.5GB) to size its memory.")
+              help="One rank's checkpoint size (e.g. 512MiB, 2GiB, 1.5GB) to size the memory "
+              "of a host.")
+@click.option("--ranks-per-host", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Workers per host (--nproc-per-node).")
+@click.option("--parallelism", type=click.Choice(["sharded", "ddp"]), default="sharded",
+              show_default=True,
+              help="ddp: every rank holds the whole state, and the ranks of a host keep one "
+              "copy of it; sharded (FSDP, tensor parallelism): each rank its own shard.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema gemini.plan/v1).")
 def plan_command(nodes: int, replicas: int, failures: int, state_bytes: int | None,
-                 as_json: bool) -> int:
+                 ranks_per_host: int, parallelism: str, as_json: bool) -> int:
     """Show how gemini places the replicas of each host's in-memory checkpoint.
 
     Prints the placement groups (group placement when m divides N, mixed placement with
@@ -67,11 +74,18 @@ def plan_command(nodes: int, replicas: int, failures: int, state_bytes: int | No
     still leave every checkpoint in memory, and with --state-bytes the CPU memory each
     host needs. Exit code 0; 2 on invalid input.
     """
-    from launcher.replication.placement import memory_per_host, plan, recovery_probability
+    from launcher.replication.placement import (
+        host_checkpoint_bytes,
+        memory_per_host,
+        plan,
+        recovery_probability,
+    )
 
     placement = plan(nodes, replicas)
     probability = recovery_probability(nodes, replicas, failures)
-    memory = None if state_bytes is None else memory_per_host(state_bytes, placement.replicas)
+    host_bytes = None if state_bytes is None else host_checkpoint_bytes(
+        state_bytes, ranks_per_host, replicated=parallelism == "ddp")
+    memory = None if host_bytes is None else memory_per_host(host_bytes, placement.replicas)
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "nodes": placement.nodes,
@@ -85,6 +99,9 @@ def plan_command(nodes: int, replicas: int, failures: int, state_bytes: int | No
         "probability": float(probability),
         "probability_exact": f"{probability.numerator}/{probability.denominator}",
         "state_bytes": state_bytes,
+        "ranks_per_host": ranks_per_host,
+        "parallelism": parallelism,
+        "host_checkpoint_bytes": host_bytes,
         "memory_per_host_bytes": memory,
     }
     if as_json:
@@ -120,9 +137,13 @@ def _render(report: dict[str, Any], probability: Fraction) -> None:
     if report["kind"] == "none":
         console.print("no peer replicas: a lost host's checkpoint comes from persistent storage")
     if report["memory_per_host_bytes"] is not None:
-        state = _size(report["state_bytes"])
-        parts = (f"2 slots x {m} copies x {state}: its own and {m - 1} peer{_s(m - 1)}"
-                 if m > 1 else f"2 slots x {state}")
+        state = _size(report["host_checkpoint_bytes"])
+        ranks = report["ranks_per_host"]
+        each = (f"; one copy of the DDP state for its {ranks} ranks"
+                if report["parallelism"] == "ddp" and ranks > 1 else
+                f"; {ranks} ranks x {_size(report['state_bytes'])}" if ranks > 1 else "")
+        parts = (f"2 slots x {m} copies x {state}: its own and {m - 1} peer{_s(m - 1)}{each}"
+                 if m > 1 else f"2 slots x {state}{each}")
         console.print(f"CPU memory per host: [bold]{_size(report['memory_per_host_bytes'])}[/] "
                       f"({parts})")
 

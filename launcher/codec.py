@@ -246,15 +246,76 @@ def slot_tensor(buf: Any, entry: dict[str, Any]) -> torch.Tensor:
     return tensor.to(device) if device != "cpu" else tensor
 
 
-def load_state(buf: Any, meta: dict[str, Any]) -> dict[str, Any]:
+Resolve = Callable[[int], tuple[Any, dict[str, Any]]]
+"""The buffer and metadata of the committed copy of the same step that another rank of the
+host wrote: where the tensors it keeps for the host's ranks are (see :func:`assign_shares`)."""
+
+
+def assign_shares(sizes: list[int], shareable: list[bool], members: list[int]
+                  ) -> list[int | None]:
+    """Which of ``members`` (the ranks of one host) keeps each tensor that every member
+    holds bit for bit (``shareable``: a data-parallel replica's parameters and optimizer
+    state); None for the others, which each rank keeps itself. The largest tensor first,
+    each to the member with the fewest bytes so far (ties: the lowest rank), as
+    torch.distributed.checkpoint's deduplicating planner spreads replicated tensors over
+    the ranks. A pure function of the list: every member computes the same answer."""
+    owners: list[int | None] = [None] * len(sizes)
+    load = dict.fromkeys(members, 0)
+    for i in sorted((i for i, s in enumerate(shareable) if s), key=lambda i: (-sizes[i], i)):
+        owner = min(members, key=lambda m: (load[m], m))
+        owners[i] = owner
+        load[owner] += sizes[i]
+    return owners
+
+
+def slot_tensors(buf: Any, meta: dict[str, Any], resolve: Resolve | None = None, *,
+                 prefetched: dict[int, torch.Tensor] | None = None, cpu: bool = False
+                 ) -> list[torch.Tensor]:
+    """The tensors of a committed slot in the order its tree numbers them: those the slot
+    holds (``meta["tensors"]``; ``prefetched`` replaces some of them, by their index
+    there) and those another rank of the host keeps for it (``meta["shared"]``: index,
+    owner rank, path, dtype, shape), read from the owner's copy of the same step through
+    ``resolve``. With ``cpu``, CUDA tensors stay in the slot's memory."""
+    prefetched = prefetched or {}
+    own = [prefetched[i] if i in prefetched
+           else slot_tensor(buf, {**entry, "device": "cpu"} if cpu else entry)
+           for i, entry in enumerate(meta["tensors"])]
+    shared = {int(item[0]): item for item in meta.get("shared") or []}
+    if not shared:
+        return own
+    if resolve is None:
+        owners = sorted({int(item[1]) for item in shared.values()})
+        raise CheckpointError(f"it holds tensors that rank(s) {owners} of its host keep")
+    copies: dict[int, tuple[Any, dict[str, dict[str, Any]]]] = {}
+    tensors, mine = [], iter(own)
+    for index in range(len(own) + len(shared)):
+        if index not in shared:
+            tensors.append(next(mine))
+            continue
+        _, owner, path, dtype, shape = shared[index]
+        if owner not in copies:
+            owner_buf, owner_meta = resolve(int(owner))
+            copies[owner] = (owner_buf, {e["path"]: e for e in owner_meta["tensors"]})
+        owner_buf, entries = copies[owner]
+        entry = entries.get(path)
+        if entry is None or entry["dtype"] != dtype or list(entry["shape"]) != list(shape):
+            raise CheckpointError(f"rank {owner}'s copy does not hold {path} as "
+                                  f"{dtype}{list(shape)}")
+        tensors.append(slot_tensor(owner_buf, {**entry, "device": "cpu"} if cpu else entry))
+    return tensors
+
+
+def load_state(buf: Any, meta: dict[str, Any], resolve: Resolve | None = None
+               ) -> dict[str, Any]:
     """The state tree a committed slot holds (``{"model": ..., "optimizer": ..., "extra": ...,
     "rng": ...}``, each key only if it was saved), read from ``buf`` (a slot's bytes: a mapped
     segment, a mapped persisted file, a private copy) as described by its metadata ``meta``.
 
     Every tensor is a CPU copy that owns its memory, whatever device it was saved from, so
     the result outlives ``buf``. Checksums are the caller's business (``memory.verify``).
+    ``resolve`` finds the copies that hold the tensors it shares (:func:`slot_tensors`).
     """
-    tensors = [slot_tensor(buf, {**entry, "device": "cpu"}) for entry in meta["tensors"]]
+    tensors = slot_tensors(buf, meta, resolve, cpu=True)
     state: dict[str, Any] = clone_tensors(unflatten(meta["tree"], tensors))
     return state
 
@@ -335,6 +396,8 @@ def reshard(copies: list[tuple[int, Any, dict[str, Any]]], template: int,
     import copy
 
     _, template_buf, template_meta = next(c for c in copies if c[0] == template)
+    if template_meta.get("shared"):
+        raise CheckpointError("a copy that shares tensors with other ranks is not resharded")
     tensors = [slot_tensor(template_buf, entry) for entry in template_meta["tensors"]]
     olds = [(rank, buf, meta, {meta["tensors"][n["__dtensor__"]]["path"]: n
                                for n in _dtensor_nodes(meta["tree"])})

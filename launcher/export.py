@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,8 @@ def export_checkpoint(out_dir: Path, run_id: str, *, rank: int = 0, step: int | 
             raise StorageError(f"{out_dir} exists and is not a directory")
         if any(out_dir.iterdir()):
             raise UsageError(f"{out_dir} is not empty; export into a new or empty directory")
-    with open_checkpoint(run_id, rank=rank, step=step, directory=directory) as image:
+    with open_checkpoint(run_id, rank=rank, step=step, directory=directory) as image, \
+            ExitStack() as others:
         import warnings
 
         import torch
@@ -153,8 +155,16 @@ def export_checkpoint(out_dir: Path, run_id: str, *, rank: int = 0, step: int | 
 
         from launcher.codec import load_state
 
-        state = load_state(image.buf, image.meta)
-        source, found = image.source, image.header.step
+        found = image.header.step
+
+        def resolve(owner: int) -> tuple[Any, dict[str, Any]]:
+            """The same step of another rank of the host, which keeps shares of it."""
+            other = others.enter_context(open_checkpoint(run_id, rank=owner, step=found,
+                                                         directory=directory))
+            return other.buf, other.meta
+
+        state = load_state(image.buf, image.meta, resolve)
+        source = image.source
     state_dict: dict[str, Any] = {k: state[k] for k in ("model", "optimizer", "extra")
                                   if k in state}
     state_dict["step"] = found

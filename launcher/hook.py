@@ -50,12 +50,14 @@ import torch
 
 from launcher import memory, prefetch, rng
 from launcher.codec import (
+    Resolve,
+    assign_shares,
     clone_tensors,
     encode,
     is_dtensor,
     live_meshes,
     reshard,
-    slot_tensor,
+    slot_tensors,
     unflatten,
 )
 from launcher.contract import (
@@ -180,11 +182,16 @@ class Checkpointer:
                  extra: dict[str, Any] | None = None, *,
                  replicated: bool | None = None) -> None:
         """``replicated``: whether every data-parallel rank holds the whole model and
-        optimizer state (DDP), so that when the job shrinks or grows any rank's copy
-        serves any rank. None (the default) says yes unless the state holds DTensors
-        (FSDP2, tensor parallelism); pass False for model-parallel state kept in plain
-        tensors (each rank its own shard), which then restores only into the same world
-        size."""
+        optimizer state bit for bit (DDP), so that when the job shrinks or grows any
+        rank's copy serves any rank, and the ranks of a host keep one copy of it between
+        them: each copies, hashes and keeps its share of the parameters and optimizer
+        state (``extra``, buffers and random states stay per rank), and a restore reads
+        the other shares from the host's other ranks' slots of the same step. None (the
+        default): shared when ``model`` is a ``DistributedDataParallel`` (unless the
+        optimizer is a ``ZeroRedundancyOptimizer``), resizable unless the state holds
+        DTensors (FSDP2, tensor parallelism); True: both, for replicas that a wrapper of
+        another kind keeps in step; False for model-parallel state kept in plain tensors
+        (each rank its own shard), which then restores only into the same world size."""
         self.model = model
         self.optimizer = optimizer
         self.extra: dict[str, Any] = extra if extra is not None else {}
@@ -212,6 +219,9 @@ class Checkpointer:
         # id(segment) -> its address registered with CUDA as pinned memory (0: failed)
         self._pinned: dict[int, int] = {}
         self._closed = False
+        self._group = self._share_group()  # the ranks that keep one copy between them
+        self._verified: dict[int, int] = {}  # rank -> seq of its slot verified at restore
+        self._shares: tuple[Any, list[int], str] | None = None  # see _split
         self._heartbeat: memory.Segment | None = None
         self._beat_view: memoryview | None = None  # this rank's counter in it
         self._beats = 0
@@ -239,10 +249,14 @@ class Checkpointer:
             return 0
         self._wait()
         step = int(os.environ.get(ENV_RESTORE_STEP, "-1"))
-        verified = prefetch.verified_seqs().get(self.rank)
-        if step >= 0:  # a pull from a peer may still be on its way: wait for this rank's
-            seq = self._request({"op": "await", "rank": self.rank}).get("seq")
-            verified = verified if seq is None else int(seq)
+        self._verified = prefetch.verified_seqs()
+        # A pull from a peer may still be on its way: wait for this rank's, and for those
+        # of the ranks that keep shares of its state.
+        for rank in sorted({self.rank, *self._group}) if step >= 0 else []:
+            seq = self._request({"op": "await", "rank": rank}).get("seq")
+            if seq is not None:
+                self._verified[rank] = int(seq)
+        verified = self._verified.get(self.rank)
         self._attach_existing()
         reshard_from = int(os.environ.get(ENV_RESTORE_RESHARD, "0") or 0)
         if step >= 0 and reshard_from:
@@ -264,7 +278,8 @@ class Checkpointer:
                 state["optimizer"] = after  # its state appears at the first step
             tensors: list[tuple[str, torch.Tensor]] = []
             tree = encode(state, "", tensors, {})
-            nbytes = slot_bytes(tensors, len(tree))
+            own, shared = self._split(tensors, tree)
+            nbytes = slot_bytes(own, len(tree) + len(shared))
             self._request({"op": "check", "rank": self.rank, "nbytes": nbytes})
             self._reserved = threading.Event()
             self._copier().submit(lambda: self._reserve(nbytes), self._reserved)
@@ -468,11 +483,36 @@ class Checkpointer:
     def _load(self, segment: memory.Segment, meta: dict[str, Any], step: int,
               prefetched: dict[int, torch.Tensor]) -> None:
         """Load the state of ``segment``; ``prefetched`` holds private copies of some of
-        its tensors (by index), used instead of copying them again."""
-        tensors = [prefetched[i] if i in prefetched else slot_tensor(segment.view, entry)
-                   for i, entry in enumerate(meta["tensors"])]
-        self._apply(lambda: unflatten(meta["tree"], tensors, self._live_meshes()), step,
-                    frozenset(map(id, prefetched.values())))
+        its tensors (by index), used instead of copying them again. The shares that the
+        host's other ranks keep are read from their copies of the same step."""
+        header = memory.read_header(segment.view)
+        assert header is not None
+        opened: list[memory.Segment] = []
+        resolve = self._resolver(step, header.world_size, opened)
+
+        def decode() -> dict[str, Any]:
+            tensors = slot_tensors(segment.view, meta, resolve, prefetched=prefetched)
+            return unflatten(meta["tree"], tensors, self._live_meshes())  # type: ignore[no-any-return]
+
+        try:
+            self._apply(decode, step, frozenset(map(id, prefetched.values())))
+        finally:
+            _close_all(opened)
+
+    def _resolver(self, step: int, world: int, opened: list[memory.Segment]) -> Resolve:
+        """Finds the copy of ``step`` that another rank of this host wrote (see
+        ``replicated``), verified unless the supervisor just did."""
+        def resolve(rank: int) -> tuple[Any, dict[str, Any]]:
+            segment = self._copy_of(rank, step, world)
+            opened.append(segment)
+            header = memory.read_header(segment.view)
+            assert header is not None
+            meta = memory.read_meta(segment.view, header)
+            if self._verified.get(rank) != header.seq:
+                memory.verify(segment.view, header, meta)
+            return segment.view, meta
+
+        return resolve
 
     def _live_meshes(self) -> dict[str, Any]:
         """The device meshes the saved DTensors are rebuilt on: those of the model, the
@@ -490,7 +530,7 @@ class Checkpointer:
         copies: list[tuple[int, memory.Segment, dict[str, Any]]] = []
         try:
             for old in range(world):
-                segment = self._old_copy(old, step, world)
+                segment = self._copy_of(old, step, world)
                 header = memory.read_header(segment.view)
                 assert header is not None
                 meta = memory.read_meta(segment.view, header)
@@ -499,29 +539,29 @@ class Checkpointer:
             self._apply(lambda: reshard([(r, seg.view, m) for r, seg, m in copies],
                                         self.rank % world, self._live_meshes()), step)
         finally:
-            for _, segment, _ in copies:
-                try:
-                    segment.close()
-                except BufferError:  # a view of it is still referenced: unmapped at exit
-                    pass
+            _close_all([segment for _, segment, _ in copies])
 
-    def _old_copy(self, rank: int, step: int, world: int) -> memory.Segment:
+    def _copy_of(self, rank: int, step: int, world: int) -> memory.Segment:
         """A committed slot on this host holding ``step`` of ``rank`` of a world of
-        ``world`` ranks."""
-        for replica in (False, True):
-            for index in range(2):
-                name = memory.slot_name(self._prefix, rank, index, replica=replica)
-                if not (memory.SHM_DIR / name).exists():
-                    continue
-                segment = memory.attach_segment(name, populate=False)
-                header = memory.read_header(segment.view)
-                if (header is not None and header.state is memory.SlotState.COMMITTED
-                        and header.step == step and header.rank == rank
-                        and header.world_size == world):
-                    return segment
-                segment.close()
+        ``world`` ranks: the rank's own slots first, then the replicas of it, then any
+        slot of this host (after the job shrank or grew, the new ranks' own slots hold
+        the old ranks' copies)."""
+        names = [memory.slot_name(self._prefix, rank, index, replica=replica)
+                 for replica in (False, True) for index in range(2)]
+        names += [name for name in memory.list_segments(self._prefix)
+                  if name not in names and memory.parse_slot_name(name)]
+        for name in names:
+            if not (memory.SHM_DIR / name).exists():
+                continue
+            segment = memory.attach_segment(name, populate=False)
+            header = memory.read_header(segment.view)
+            if (header is not None and header.state is memory.SlotState.COMMITTED
+                    and header.step == step and header.rank == rank
+                    and header.world_size == world):
+                return segment
+            segment.close()
         raise CheckpointError(f"rank {self.rank}: no copy of step {step} of rank {rank} "
-                              f"(of {world}) on this host to reshard from")
+                              f"(of {world}) on this host")
 
     def _apply(self, decode: Callable[[], dict[str, Any]], step: int,
                owned: frozenset[int] = frozenset()) -> None:
@@ -701,13 +741,14 @@ class Checkpointer:
 
     def _write(self, index: int, step: int, tree: str, tensors: list[tuple[str, torch.Tensor]],
                ready: Any) -> None:
-        """Copy the state (``tree``: its skeleton's JSON) into slot ``index`` and commit it."""
-        layout = self._layout_for(index, tensors, len(tree))
+        """Copy the state (``tree``: its skeleton's JSON) into slot ``index`` and commit it:
+        the tensors this rank keeps; the others are named under ``shared``."""
+        own, shared = self._split(tensors, tree)
+        layout = self._layout_for(index, own, len(tree) + len(shared))
         buf = layout.segment.view
         memory.set_state(buf, memory.SlotState.WRITING)
         assert self._worker is not None
-        block_digest, digests = self._worker.copy_all(buf, layout, [t for _, t in tensors],
-                                                      ready)
+        block_digest, digests = self._worker.copy_all(buf, layout, [t for _, t in own], ready)
         big = iter(digests)
         records = ",".join(record if isinstance(record, str)
                            else record[0] + f'"{next(big):016x}"' + record[1]
@@ -718,13 +759,48 @@ class Checkpointer:
         replicated = self.replicated if self.replicated is not None else not sharded
         meta = (f'{{"step":{step},"replicated":{"true" if replicated else "false"},'
                 f'"sharded":{"true" if sharded else "false"},'
-                f'"tensors":[{records}],"blocks":[{json.dumps(block)}],"tree":' + tree + "}"
-                ).encode()
+                f'"tensors":[{records}],"blocks":[{json.dumps(block)}],'
+                + (f'"shared":{shared},' if shared else "") + '"tree":' + tree + "}").encode()
         self._seq += 1
         memory.write_commit(buf, step=step, seq=self._seq, rank=self.rank,
                             world_size=self.world_size, run_id=self.run_id,
                             data_len=layout.data_len, meta=meta)
         self._newest = index
+
+    def _share_group(self) -> list[int]:
+        """The ranks of this host that keep one copy of the replicated state between them
+        (see ``replicated``); empty when each keeps its own. torch elastic numbers the
+        ranks of a host consecutively."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        zero = type(self.optimizer).__name__ == "ZeroRedundancyOptimizer"
+        if local < 2 or zero or not (self.replicated or (self.replicated is None and ddp)):
+            return []
+        first = self.rank - int(os.environ.get("LOCAL_RANK", "0"))
+        return list(range(first, first + local))
+
+    def _split(self, tensors: list[tuple[str, torch.Tensor]], tree: str
+               ) -> tuple[list[tuple[str, torch.Tensor]], str]:
+        """The tensors this rank keeps, and the JSON list of those another rank of the
+        host keeps for it (``[index, owner, path, dtype, shape]``; empty: none). Shared
+        are the parameters and the optimizer state; never DTensor shards."""
+        if not self._group or '"__dtensor__"' in tree:
+            return tensors, ""
+        key = tuple((path, t.dtype, t.shape, isinstance(t, torch.nn.Parameter))
+                    for path, t in tensors)
+        if self._shares is None or self._shares[0] != key:
+            shareable = [path.startswith("/optimizer/state/") or (
+                         path.startswith("/model/") and parameter)
+                         for path, _, _, parameter in key]
+            owners = assign_shares([t.numel() * t.element_size() for _, t in tensors],
+                                   shareable, self._group)
+            mine = [i for i, owner in enumerate(owners) if owner in (None, self.rank)]
+            shared = [[i, owner, path, str(dtype).removeprefix("torch."), list(shape)]
+                      for i, (owner, (path, dtype, shape, _)) in enumerate(zip(owners, key, strict=True))
+                      if owner not in (None, self.rank)]
+            self._shares = (key, mine, json.dumps(shared, separators=(",", ":")) if shared else "")
+        _, mine, text = self._shares
+        return [tensors[i] for i in mine], text
 
     def _layout_for(self, index: int, tensors: list[tuple[str, torch.Tensor]],
                     tree_len: int) -> Layout:
@@ -744,6 +820,14 @@ class Checkpointer:
         layout = plan_layout(segment, tensors, signature)
         self._layouts[index] = layout
         return layout
+
+
+def _close_all(segments: list[memory.Segment]) -> None:
+    for segment in segments:
+        try:
+            segment.close()
+        except BufferError:  # a view of it is still referenced: unmapped at exit
+            pass
 
 
 def _die_with_supervisor() -> None:

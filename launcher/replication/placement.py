@@ -181,11 +181,23 @@ def recovery_probability(nodes: int, replicas: int, failures: int) -> Fraction:
     return Fraction(surviving, comb(nodes, failures))
 
 
+def host_checkpoint_bytes(rank_bytes: int, ranks_per_host: int, *, replicated: bool) -> int:
+    """One host's checkpoint size from one rank's state: the ranks of a host keep one copy
+    of state that every data-parallel rank holds whole (DDP; see ``Checkpointer``'s
+    ``replicated``), and each its own shard of sharded state (FSDP, tensor parallelism)."""
+    if rank_bytes < 0:
+        raise ConfigError(f"state bytes must be at least 0, got {rank_bytes}", field="state_bytes")
+    if ranks_per_host < 1:
+        raise ConfigError(f"ranks per host must be at least 1, got {ranks_per_host}",
+                          field="ranks_per_host")
+    return rank_bytes if replicated else rank_bytes * ranks_per_host
+
+
 def memory_per_host(state_bytes: int, replicas: int) -> int:
     """Bytes of CPU memory one host needs for in-memory checkpoints: ``2 * m *
     state_bytes``.
 
-    ``state_bytes`` is one host's checkpoint size (all its local ranks). The host keeps its
+    ``state_bytes`` is one host's checkpoint size (:func:`host_checkpoint_bytes`). The host keeps its
     own checkpoint in two slots (double buffering: the newest committed step stays intact
     while the next one is written; with replication the slots also keep the globally
     restorable step s* and the step being pushed, which saves never overwrite), and for

@@ -99,6 +99,35 @@ def test_kill_resumes_bitwise(tmp_path: Path, reference: dict, kills: list[str],
     _assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_the_ranks_of_a_host_keep_one_copy_of_replicated_state(tmp_path: Path,
+                                                               nproc: int) -> None:
+    """Data-parallel ranks hold the same parameters and optimizer state: the ranks of a
+    host split them between their slots, one copy in all, not one per rank. Two ranks
+    under DistributedDataParallel (found by the Checkpointer); four with all-reduced
+    gradients and ``replicated=True`` (DDP rebuilds its buckets after a restart, which
+    with more than two ranks changes the rounding). Rank 1 dies inside its copy of step 5:
+    its share of step 5 is torn, so every rank resumes from step 4, and the run ends
+    bitwise equal to one that never failed."""
+    script = [TRAIN, "--steps", "10", "--width", "256", "--report-slots",
+              *(["--grad-sync", "params", "--replicated"] if nproc == 4 else [])]
+    ref = run([*GEMINI, "run", "--nproc-per-node", str(nproc), *script,
+               "--out", str(tmp_path / "ref.pt")], env=env_with(tmp_path), timeout=240)
+    assert ref.returncode == 0, ref.output[-3000:]
+    done = run([*GEMINI, "run", "--nproc-per-node", str(nproc), "--max-restarts", "1",
+                *script, "--kill", "1:5:copy", "--out", str(tmp_path / "out.pt")],
+               env=env_with(tmp_path), timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    assert _resumes(done.stdout) == {0: {0}, 1: {5}}
+    _assert_bitwise(torch.load(tmp_path / "out.pt"), torch.load(tmp_path / "ref.pt"))
+    for output in (ref.stdout, done.stdout):
+        found = re.search(r"^slots bytes=(\d+) state=(\d+)$", output, re.M)
+        assert found, output[-3000:]
+        held, state = map(int, found.groups())
+        # one copy, plus each rank's random states and small values, and alignment
+        assert state <= held < 1.1 * state + nproc * (16 << 10), (held, state)
+
+
 @pytest.mark.parametrize("given", ["model and optimizer", "DCP app state"])
 def test_fsdp2_sharded_state_resumes_bitwise(tmp_path: Path, given: str) -> None:
     """FSDP2 (fully_shard, gloo, CPU): parameters and optimizer state are DTensors, each

@@ -26,6 +26,22 @@ def test_cli_json() -> None:
     assert report["memory_per_host_bytes"] == 4 * (512 << 20)  # 2 slots x (own, 1 peer)
 
 
+@pytest.mark.parametrize(("parallelism", "host"), [("ddp", 1), ("sharded", 8)])
+def test_cli_memory_follows_the_parallelism(parallelism: str, host: int) -> None:
+    """The 8 ranks of a DDP host keep one copy of the state between them; sharded ranks
+    each keep their own shard."""
+    done = run([*GEMINI, "plan", "--nodes", "4", "--state-bytes", "1GiB", "--ranks-per-host",
+                "8", "--parallelism", parallelism, "--json"], timeout=60)
+    assert done.returncode == 0, done.output
+    report = json.loads(done.stdout)
+    assert report["host_checkpoint_bytes"] == host << 30
+    assert report["memory_per_host_bytes"] == 4 * host << 30  # 2 slots x (own, 1 peer)
+    human = run([*GEMINI, "plan", "--nodes", "4", "--state-bytes", "1GiB", "--ranks-per-host",
+                 "8", "--parallelism", parallelism], timeout=60)
+    assert f"{4 * host:.1f} GiB" in human.stdout, human.output
+    assert ("one copy of the DDP state for its 8 ranks" in human.stdout) == (parallelism == "ddp")
+
+
 def test_cli_json_without_state_bytes() -> None:
     done = run([*GEMINI, "plan", "--nodes", "16", "--json"], timeout=60)
     assert done.returncode == 0, done.output

@@ -144,10 +144,13 @@ def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int, nproc: i
     """Kill the host in node slot 1 (its supervisor, workers and memory) and start a
     replacement: it pulls its ranks from a peer's memory. With --replicate-every 3 only
     every third step is replicated, so the survivors may need theirs back from peers too.
-    Before the kill, each host's shared memory holds 2 x m x its state, no more."""
-    reference = _reference(tmp_path, nproc * nodes)
+    Before the kill, each host's shared memory holds 2 x m x its state, no more. With two
+    workers per host, their replicated state is split between their slots (one copy per
+    host), and the replacement restores each rank from both of its ranks' pulled slots."""
+    train = ("--replicated",) if nproc > 1 else ()
+    reference = _reference(tmp_path, nproc * nodes, *train)
     plans = _run_and_replace(tmp_path, nodes, [1], "--replicate-every", str(every),
-                             "--replicas", str(replicas), nproc=nproc,
+                             "--replicas", str(replicas), nproc=nproc, train=train,
                              probe=_memory_bound(replicas, nproc))
     assert {p["host"] for p in plans} == {"new0"} | {f"h{i}" for i in range(nodes)} - {"h1"}, plans
     assert len({p["step"] for p in plans}) == 1 and plans[0]["step"] >= 15, plans

@@ -35,6 +35,12 @@ p.add_argument("--grad-sync", choices=["ddp", "params"], default="ddp",
                "in an order that depends on its bucket layout, which it rebuilds in the first "
                "iteration after every (re)start: with more than 2 ranks that changes the "
                "rounding, so a resumed run is not bitwise equal to an unfailed one")
+p.add_argument("--replicated", action="store_true",
+               help="tell the Checkpointer that every rank holds the same state (with "
+               "--grad-sync params, which it cannot see)")
+p.add_argument("--report-slots", action="store_true",
+               help="rank 0 prints the bytes of the last step in the host's own slots "
+               "(every rank's) and the bytes of one model and optimizer state")
 args = p.parse_args()
 
 torch.manual_seed(0)
@@ -55,7 +61,8 @@ model = torch.nn.parallel.DistributedDataParallel(net) if ddp else net
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
 extra = {"scheduler": sched, "progress": {"samples": 0}}
-ckpt = Checkpointer(model=model, optimizer=opt, extra=extra)
+ckpt = Checkpointer(model=model, optimizer=opt, extra=extra,
+                    replicated=True if args.replicated else None)
 start = ckpt.restore()
 if args.init:
     init = torch.load(args.init)
@@ -122,6 +129,19 @@ for step in range(start, args.steps):
     if args.sleep:
         time.sleep(args.sleep)
 
+if args.report_slots:
+    ckpt.wait()
+    if distributed:
+        dist.barrier()  # every rank's last step is committed
+    if rank == 0:
+        held = [memory.inspect_slot(name).header for name in memory.list_segments(ckpt._prefix)
+                if (parsed := memory.parse_slot_name(name)) and not parsed.replica]
+        last = sum(h.data_len for h in held if h is not None and h.step == args.steps - 1)
+        state = sum(t.numel() * t.element_size() for t in net.parameters()) + sum(
+            v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+        print(f"slots bytes={last} state={state}", flush=True)
+    if distributed:
+        dist.barrier()
 ckpt.close()
 if rank == 0 and args.out:
     torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "samples": extra["progress"]["samples"],

@@ -204,6 +204,37 @@ def test_string_subclass_keys_are_strings() -> None:
     assert codec.unflatten(json.loads(json.dumps(skeleton)), []) == {"lr": 0.1}
 
 
+def test_replicated_tensors_are_spread_over_the_ranks_of_a_host_alike_everywhere() -> None:
+    sizes = [400, 100, 300, 200, 8, 900]
+    shareable = [True, True, True, True, False, True]
+    owners = codec.assign_shares(sizes, shareable, [4, 5])
+    assert owners == [5, 4, 5, 5, None, 4]  # largest first, to the lighter rank
+    assert codec.assign_shares(sizes, shareable, [4, 5]) == owners  # a pure function
+    assert codec.assign_shares(sizes, [False] * 6, [4, 5]) == [None] * 6
+
+
+def test_a_slot_that_shares_tensors_is_read_with_its_owners_copy() -> None:
+    mine, theirs = torch.arange(4.0), torch.arange(6, dtype=torch.int64).view(2, 3)
+    buf, other = bytearray(memory.HEADER_SIZE + 64), bytearray(memory.HEADER_SIZE + 64)
+    buf[memory.HEADER_SIZE:memory.HEADER_SIZE + 16] = mine.numpy().tobytes()
+    other[memory.HEADER_SIZE:memory.HEADER_SIZE + 48] = theirs.numpy().tobytes()
+
+    def entry(path: str, t: torch.Tensor) -> dict[str, Any]:
+        return {"path": path, "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape), "offset": 0, "nbytes": t.nbytes, "xxh3": None}
+
+    meta = {"tensors": [entry("/extra/a", mine)], "tree": [{"__tensor__": 0}, {"__tensor__": 1}],
+            "shared": [[0, 3, "/model/w", "int64", [2, 3]]]}
+    owner = {"tensors": [entry("/model/w", theirs)]}
+    got = codec.slot_tensors(buf, meta, lambda rank: (other, owner) if rank == 3 else None)
+    assert torch.equal(got[0], theirs) and torch.equal(got[1], mine)
+    with pytest.raises(CheckpointError, match=r"rank\(s\) \[3\] of its host keep"):
+        codec.load_state(buf, meta)
+    meta["shared"][0][4] = [3, 2]
+    with pytest.raises(CheckpointError, match="does not hold /model/w as int64"):
+        codec.slot_tensors(buf, meta, lambda rank: (other, owner))
+
+
 def test_unsupported_value_is_a_clear_error() -> None:
     with pytest.raises(CheckpointError, match="extra/x.*set"):
         codec.flatten({"extra": {"x": {1, 2}}}, "", [])
