@@ -35,6 +35,7 @@ torch. Nothing starts at import.
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import logging
 import os
@@ -219,7 +220,7 @@ class Checkpointer:
         # id(segment) -> its address registered with CUDA as pinned memory (0: failed)
         self._pinned: dict[int, int] = {}
         self._closed = False
-        self._group = self._share_group()  # the ranks that keep one copy between them
+        self._group: list[int] | None = None  # the ranks that keep one copy between them
         self._verified: dict[int, int] = {}  # rank -> seq of its slot verified at restore
         self._shares: tuple[Any, list[int], str] | None = None  # see _split
         self._heartbeat: memory.Segment | None = None
@@ -252,7 +253,7 @@ class Checkpointer:
         self._verified = prefetch.verified_seqs()
         # A pull from a peer may still be on its way: wait for this rank's, and for those
         # of the ranks that keep shares of its state.
-        for rank in sorted({self.rank, *self._group}) if step >= 0 else []:
+        for rank in sorted({self.rank, *self._sharers()}) if step >= 0 else []:
             seq = self._request({"op": "await", "rank": rank}).get("seq")
             if seq is not None:
                 self._verified[rank] = int(seq)
@@ -342,6 +343,8 @@ class Checkpointer:
         encoded = None
         if not self._saved:
             self._saved = True
+            if not self._group:  # the model may have been wrapped since restore() looked
+                self._group = None
             # The first save encodes here: a value it cannot save fails this call.
             encoded = self._encode(state)
         done = threading.Event()
@@ -767,24 +770,26 @@ class Checkpointer:
                             data_len=layout.data_len, meta=meta)
         self._newest = index
 
-    def _share_group(self) -> list[int]:
+    def _sharers(self) -> list[int]:
         """The ranks of this host that keep one copy of the replicated state between them
         (see ``replicated``); empty when each keeps its own. torch elastic numbers the
         ranks of a host consecutively."""
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-        zero = type(self.optimizer).__name__ == "ZeroRedundancyOptimizer"
-        if local < 2 or zero or not (self.replicated or (self.replicated is None and ddp)):
-            return []
-        first = self.rank - int(os.environ.get("LOCAL_RANK", "0"))
-        return list(range(first, first + local))
+        if self._group is None:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            zero = type(self.optimizer).__name__ == "ZeroRedundancyOptimizer"
+            shared = local > 1 and not zero and (
+                self.replicated or (self.replicated is None and _wrapped_by_ddp(self.model)))
+            first = self.rank - int(os.environ.get("LOCAL_RANK", "0"))
+            self._group = list(range(first, first + local)) if shared else []
+        return self._group
 
     def _split(self, tensors: list[tuple[str, torch.Tensor]], tree: str
                ) -> tuple[list[tuple[str, torch.Tensor]], str]:
         """The tensors this rank keeps, and the JSON list of those another rank of the
         host keeps for it (``[index, owner, path, dtype, shape]``; empty: none). Shared
         are the parameters and the optimizer state; never DTensor shards."""
-        if not self._group or '"__dtensor__"' in tree:
+        group = self._sharers()
+        if not group or '"__dtensor__"' in tree:
             return tensors, ""
         key = tuple((path, t.dtype, t.shape, isinstance(t, torch.nn.Parameter))
                     for path, t in tensors)
@@ -793,7 +798,7 @@ class Checkpointer:
                          path.startswith("/model/") and parameter)
                          for path, _, _, parameter in key]
             owners = assign_shares([t.numel() * t.element_size() for _, t in tensors],
-                                   shareable, self._group)
+                                   shareable, group)
             mine = [i for i, owner in enumerate(owners) if owner in (None, self.rank)]
             shared = [[i, owner, path, str(dtype).removeprefix("torch."), list(shape)]
                       for i, (owner, (path, dtype, shape, _)) in enumerate(zip(owners, key, strict=True))
@@ -820,6 +825,21 @@ class Checkpointer:
         layout = plan_layout(segment, tensors, signature)
         self._layouts[index] = layout
         return layout
+
+
+def _wrapped_by_ddp(model: torch.nn.Module | None) -> bool:
+    """Whether ``model`` is a ``DistributedDataParallel`` or the module a live one wraps
+    (scripts often hand the Checkpointer the inner module, for its state dict's keys).
+    One pass over the objects the garbage collector tracks: tens of milliseconds, once."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if model is None or isinstance(model, ddp):
+        return model is not None
+    kinds, stack = set(), [ddp]
+    while stack:
+        kind = stack.pop()
+        kinds.add(kind)
+        stack.extend(kind.__subclasses__())
+    return any(type(obj) in kinds and obj.module is model for obj in gc.get_objects())
 
 
 def _close_all(segments: list[memory.Segment]) -> None:
