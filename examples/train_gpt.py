@@ -290,15 +290,15 @@ def main() -> None:
     if args.torch_save:
         args.no_checkpoint = True
         start = load_from_disk(args.torch_save, model, optimizer, scheduler)
-    else:
-        start = ckpt.restore()
+    else:  # without checkpoints, nothing to restore and no slots to reserve
+        start = 0 if args.no_checkpoint else ckpt.restore()
     if rank == 0 and start > 0:
         restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         where = args.torch_save or "the in-memory checkpoint"
         print(f"resumed at step {start} from {where} (restart {restarts})", flush=True)
     loss = float("nan")
     step_times = []
-    stalls = []  # per step: seconds the loop spent blocked in gemini's save() and waits
+    stalls = []  # per step: seconds the loop spent blocked in a checkpoint's save and waits
     by_saving: dict[bool, list[float]] = {True: [], False: []}
     for step in range(start, args.steps):
         began = time.perf_counter()
@@ -315,7 +315,9 @@ def main() -> None:
         if saving:
             ckpt.save(step)  # a large state finishes copying in the background
         elif args.torch_save and rank == 0:
+            saved = time.perf_counter()
             save_to_disk(args.torch_save, step, model, optimizer, scheduler)
+            stalled -= time.perf_counter() - saved
         step_times.append(time.perf_counter() - began)
         stalls.append(ckpt.stalled - stalled)
         by_saving[saving].append(step_times[-1])
@@ -326,7 +328,7 @@ def main() -> None:
         print(f"done steps={args.steps} final_loss={loss:.4f} "
               f"median_step_ms={median_ms(step_times):.2f} "
               f"first_step_ms={1e3 * step_times[0] if step_times else 0:.1f}", flush=True)
-        if stalls and not args.no_checkpoint:
+        if stalls and (args.torch_save or not args.no_checkpoint):
             print(f"checkpoint stall per step: median_stall_ms={median_ms(stalls):.3f} "
                   f"max_stall_ms={1e3 * max(stalls):.3f}", flush=True)
         if args.alternate_saves > 0:
