@@ -305,6 +305,36 @@ def slot_tensors(buf: Any, meta: dict[str, Any], resolve: Resolve | None = None,
     return tensors
 
 
+def tensor_paths(meta: dict[str, Any]) -> list[str]:
+    """The paths of a slot's tensors in the order its tree numbers them, shared included."""
+    shared = {int(item[0]): str(item[2]) for item in meta.get("shared") or []}
+    own = iter(entry["path"] for entry in meta["tensors"])
+    return [shared[i] if i in shared else next(own)
+            for i in range(len(meta["tensors"]) + len(shared))]
+
+
+def replica_ranks(node: dict[str, Any], rank: int) -> set[int]:
+    """The ranks whose local shard of the DTensor ``node`` describes holds the same
+    elements as ``rank``'s: those at its coordinates on every mesh dimension the tensor
+    is not replicated over (HSDP's shards repeat across its replicate dimension). A rank
+    off the mesh has only itself."""
+    mesh = json.loads(node["mesh"])[1]
+    here = _coordinate(mesh, rank)
+    if here is None:
+        return {rank}
+    fixed = [d for d, placement in enumerate(node["placements"]) if placement[0] != "Replicate"]
+    found, stack = set(), [mesh]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+            continue
+        there = _coordinate(mesh, item)
+        if there is not None and all(there[d] == here[d] for d in fixed):
+            found.add(int(item))
+    return found
+
+
 def load_state(buf: Any, meta: dict[str, Any], resolve: Resolve | None = None
                ) -> dict[str, Any]:
     """The state tree a committed slot holds (``{"model": ..., "optimizer": ..., "extra": ...,
@@ -336,7 +366,7 @@ def clone_tensors(obj: Any, owned: frozenset[int] = frozenset(),
     return obj
 
 
-def _dtensor_nodes(tree: Any) -> list[dict[str, Any]]:
+def dtensor_nodes(tree: Any) -> list[dict[str, Any]]:
     """The DTensor nodes of a skeleton."""
     found, stack = [], [tree]
     while stack:
@@ -395,17 +425,23 @@ def reshard(copies: list[tuple[int, Any, dict[str, Any]]], template: int,
     were assembled and alias the buffers elsewhere (the caller copies them)."""
     import copy
 
-    _, template_buf, template_meta = next(c for c in copies if c[0] == template)
-    if template_meta.get("shared"):
-        raise CheckpointError("a copy that shares tensors with other ranks is not resharded")
-    tensors = [slot_tensor(template_buf, entry) for entry in template_meta["tensors"]]
-    olds = [(rank, buf, meta, {meta["tensors"][n["__dtensor__"]]["path"]: n
-                               for n in _dtensor_nodes(meta["tree"])})
-            for rank, buf, meta in copies]
+    by_rank = {rank: (buf, meta) for rank, buf, meta in copies}
+
+    def resolve(owner: int) -> tuple[Any, dict[str, Any]]:
+        if owner not in by_rank:
+            raise CheckpointError(f"no copy of rank {owner}, which keeps shares of others")
+        return by_rank[owner]
+
+    lists = {rank: slot_tensors(buf, meta, resolve) for rank, buf, meta in copies}
+    template_meta = by_rank[template][1]
+    tensors, paths = list(lists[template]), tensor_paths(template_meta)
+    olds = [(rank, lists[rank], {tensor_paths(meta)[n["__dtensor__"]]: n
+                                 for n in dtensor_nodes(meta["tree"])})
+            for rank, _, meta in copies]
     tree = copy.deepcopy(template_meta["tree"])
-    for node in _dtensor_nodes(tree):
+    for node in dtensor_nodes(tree):
         index = node["__dtensor__"]
-        path = template_meta["tensors"][index]["path"]
+        path = paths[index]
         mesh = _live_mesh(node, meshes, path)
         tensors[index] = _assemble(node, mesh, tensors[index].dtype, path, olds)
         node["mesh"] = _mesh_key(mesh)
@@ -424,17 +460,17 @@ def _live_mesh(node: dict[str, Any], meshes: dict[str, Any], path: str) -> Any:
 
 
 def _assemble(node: dict[str, Any], mesh: Any, dtype: torch.dtype, path: str,
-              olds: list[tuple[int, Any, dict[str, Any], dict[str, Any]]]) -> torch.Tensor:
+              olds: list[tuple[int, list[torch.Tensor], dict[str, Any]]]) -> torch.Tensor:
     """This rank's shard on ``mesh`` of the DTensor ``node`` describes, copied from the
-    parts of the old ranks' shards (``olds``: rank, buffer, metadata, DTensor nodes by
-    path) that overlap it; every element must be covered."""
+    parts of the old ranks' shards (``olds``: rank, its tensors in tree order, DTensor
+    nodes by path) that overlap it; every element must be covered."""
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise CheckpointError(f"{path}: this rank is not on the live device mesh")
     shape, offset = _shard_box(node, list(mesh.shape), coordinate)
     local = torch.empty(shape, dtype=dtype)
     filled, done = 0, set()
-    for rank, buf, meta, paths in olds:
+    for rank, old_tensors, paths in olds:
         old = paths.get(path)
         if old is None:
             raise CheckpointError(f"{path}: rank {rank}'s copy does not hold it")
@@ -450,7 +486,7 @@ def _assemble(node: dict[str, Any], mesh: Any, dtype: torch.dtype, path: str,
               zip(offset, shape, old_offset, old_shape, strict=True)]
         if any(h <= low for low, h in zip(lo, hi, strict=True)):
             continue
-        src = slot_tensor(buf, meta["tensors"][old["__dtensor__"]])
+        src = old_tensors[old["__dtensor__"]]
         local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offset, strict=True))] = src[
             tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, old_offset, strict=True))]
         filled += math.prod(h - low for low, h in zip(lo, hi, strict=True))

@@ -54,9 +54,11 @@ from launcher.codec import (
     Resolve,
     assign_shares,
     clone_tensors,
+    dtensor_nodes,
     encode,
     is_dtensor,
     live_meshes,
+    replica_ranks,
     reshard,
     slot_tensors,
     unflatten,
@@ -770,35 +772,55 @@ class Checkpointer:
                             data_len=layout.data_len, meta=meta)
         self._newest = index
 
+    def _host_ranks(self) -> list[int]:
+        """The ranks of this host: torch elastic numbers them consecutively."""
+        first = self.rank - int(os.environ.get("LOCAL_RANK", "0"))
+        return list(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
     def _sharers(self) -> list[int]:
-        """The ranks of this host that keep one copy of the replicated state between them
-        (see ``replicated``); empty when each keeps its own. torch elastic numbers the
-        ranks of a host consecutively."""
+        """The ranks of this host that keep one copy of the replicated plain tensors
+        between them (see ``replicated``); empty when each keeps its own."""
         if self._group is None:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             zero = type(self.optimizer).__name__ == "ZeroRedundancyOptimizer"
-            shared = local > 1 and not zero and (
+            shared = not zero and (
                 self.replicated or (self.replicated is None and _wrapped_by_ddp(self.model)))
-            first = self.rank - int(os.environ.get("LOCAL_RANK", "0"))
-            self._group = list(range(first, first + local)) if shared else []
+            ranks = self._host_ranks()
+            self._group = ranks if shared and len(ranks) > 1 else []
         return self._group
 
     def _split(self, tensors: list[tuple[str, torch.Tensor]], tree: str
                ) -> tuple[list[tuple[str, torch.Tensor]], str]:
         """The tensors this rank keeps, and the JSON list of those another rank of the
-        host keeps for it (``[index, owner, path, dtype, shape]``; empty: none). Shared
-        are the parameters and the optimizer state; never DTensor shards."""
+        host keeps for it (``[index, owner, path, dtype, shape]``; empty: none).
+
+        Shared are the parameters and optimizer state of replicated plain tensors (among
+        :meth:`_sharers`), and DTensor shards that other ranks of the host hold too (a
+        ``Replicate`` placement: HSDP's replicate dimension), among those ranks. Each
+        set of ranks holding the same tensors splits them with ``assign_shares``."""
         group = self._sharers()
-        if not group or '"__dtensor__"' in tree:
+        sharded = '"__dtensor__"' in tree
+        if not group and not (sharded and len(self._host_ranks()) > 1):
             return tensors, ""
         key = tuple((path, t.dtype, t.shape, isinstance(t, torch.nn.Parameter))
                     for path, t in tensors)
         if self._shares is None or self._shares[0] != key:
-            shareable = [path.startswith("/optimizer/state/") or (
-                         path.startswith("/model/") and parameter)
-                         for path, _, _, parameter in key]
-            owners = assign_shares([t.numel() * t.element_size() for _, t in tensors],
-                                   shareable, group)
+            classes: list[tuple[int, ...] | None] = [
+                tuple(group) if group and (path.startswith("/optimizer/state/") or (
+                    path.startswith("/model/") and parameter)) else None
+                for path, _, _, parameter in key]
+            if sharded:
+                host = set(self._host_ranks())
+                for node in dtensor_nodes(json.loads(tree)):
+                    same = tuple(sorted(replica_ranks(node, self.rank) & host))
+                    classes[node["__dtensor__"]] = same if len(same) > 1 else None
+            sizes = [t.numel() * t.element_size() for _, t in tensors]
+            owners: list[int | None] = [None] * len(tensors)
+            for members in {c for c in classes if c}:
+                among = [i for i, c in enumerate(classes) if c == members]
+                for i, owner in zip(among, assign_shares([sizes[i] for i in among],
+                                                         [True] * len(among), list(members)),
+                                    strict=True):
+                    owners[i] = owner
             mine = [i for i, owner in enumerate(owners) if owner in (None, self.rank)]
             shared = [[i, owner, path, str(dtype).removeprefix("torch."), list(shape)]
                       for i, (owner, (path, dtype, shape, _)) in enumerate(zip(owners, key, strict=True))

@@ -150,6 +150,32 @@ def test_fsdp2_sharded_state_resumes_bitwise(tmp_path: Path, given: str) -> None
     assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
+def test_hsdp_replicas_on_a_host_keep_one_copy_and_resume_bitwise(tmp_path: Path) -> None:
+    """HSDP: FSDP2 on a 2 x 2 mesh, parameters and optimizer state sharded over one
+    dimension and replicated over the other, four ranks on one host. The two ranks that
+    hold the same shard split it between their slots: the host's slots hold one copy of
+    the state, not two. Rank 1 killed after step 4 resumes at 5 (its shard partly read
+    from its replica's slot), and the full state at the end equals an unfailed run's."""
+    script = [str(SCRIPTS / "train_fsdp.py"), "--steps", "8", "--width", "4096", "--hsdp",
+              "--report-slots"]
+    ref = run([*GEMINI, "run", "--nproc-per-node", "4", *script, "--out",
+               str(tmp_path / "ref.pt")], env=env_with(tmp_path), timeout=240)
+    assert ref.returncode == 0, ref.output[-3000:]
+    done = run([*GEMINI, "run", "--nproc-per-node", "4", "--max-restarts", "1", *script,
+                "--kill", "1:4", "--out", str(tmp_path / "out.pt")],
+               env=env_with(tmp_path), timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    assert _resumes(done.stdout) == {0: {0}, 1: {5}}
+    expected, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
+    assert sorted(got) == sorted(expected) and len(got) == 16
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    for output in (ref.stdout, done.stdout):
+        found = re.search(r"^slots bytes=(\d+) state=(\d+)$", output, re.M)
+        assert found, output[-3000:]
+        held, state = map(int, found.groups())
+        assert state <= held < 1.1 * state + 4 * (16 << 10), (held, state)
+
+
 def test_hung_worker_is_restarted(tmp_path: Path, reference: dict) -> None:
     """Rank 1 stops itself (SIGSTOP) after committing step 5; rank 0 then waits in its
     all-reduce. Neither exits: --hang-timeout notices the silence and kills both."""

@@ -130,18 +130,9 @@ for step in range(start, args.steps):
         time.sleep(args.sleep)
 
 if args.report_slots:
-    ckpt.wait()
-    if distributed:
-        dist.barrier()  # every rank's last step is committed
-    if rank == 0:
-        held = [memory.inspect_slot(name).header for name in memory.list_segments(ckpt._prefix)
-                if (parsed := memory.parse_slot_name(name)) and not parsed.replica]
-        last = sum(h.data_len for h in held if h is not None and h.step == args.steps - 1)
-        state = sum(t.numel() * t.element_size() for t in net.parameters()) + sum(
-            v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
-        print(f"slots bytes={last} state={state}", flush=True)
-    if distributed:
-        dist.barrier()
+    from slot_report import report
+
+    report(ckpt, args.steps - 1, net, opt)
 ckpt.close()
 if rank == 0 and args.out:
     torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "samples": extra["progress"]["samples"],

@@ -14,6 +14,9 @@ Checkpointer: its model and optimizer state are DTensors sharded across the rank
                      them; disk: torch.distributed.checkpoint.save of the app state to
                      --output-dir every step instead (benchmarks; with --app-state)
   --width N          hidden width (benchmarks)
+  --hsdp             HSDP: a 2-D mesh, parameters replicated over its first dimension
+                     (2 replicas) and sharded over the second
+  --report-slots     rank 0 prints the bytes of the last step in the host's slots
 Prints "resume rank=R start=S attempt=A world=W" and "step N" (rank 0); rank 0 prints
 "median_step_ms=X" at the end (a step with its checkpoint).
 """
@@ -43,6 +46,8 @@ p.add_argument("--app-state", action="store_true")
 p.add_argument("--mode", choices=["gemini", "none", "disk"], default="gemini")
 p.add_argument("--width", type=int, default=33)
 p.add_argument("--output-dir", default="")
+p.add_argument("--hsdp", action="store_true")
+p.add_argument("--report-slots", action="store_true")
 args = p.parse_args()
 
 
@@ -68,10 +73,16 @@ torch.manual_seed(0)
 torch.use_deterministic_algorithms(True)
 model = torch.nn.Sequential(torch.nn.Linear(16, args.width), torch.nn.Tanh(),
                             torch.nn.Linear(args.width, 4))
+mesh = None
+if args.hsdp:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                            mesh_dim_names=("replicate", "shard"))
 for layer in model:
     if isinstance(layer, torch.nn.Linear):
-        fully_shard(layer)
-fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -124,6 +135,10 @@ for step in range(start, args.steps):
     if kill == (rank, step) and attempt == 0:
         ckpt.wait()
         os.kill(os.getpid(), signal.SIGKILL)
+if args.report_slots:
+    from slot_report import report
+
+    report(ckpt, args.steps - 1, model, opt)
 ckpt.close()
 if rank == 0 and times:
     print(f"median_step_ms={1e3 * sorted(times)[len(times) // 2]:.2f}", flush=True)
