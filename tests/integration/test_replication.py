@@ -27,7 +27,8 @@ from hosts import Host, assert_bitwise, wait_exit, wait_for
 
 # per-gradient all_reduce: bitwise reproducible across restarts with more than 2 ranks
 TRAIN = (str(SCRIPTS / "train_ckpt.py"), "--grad-sync", "params")
-STEPS = 60
+STEPS = 40
+LONG = 60  # for faults late in the run, and a world that shrinks and grows back
 RUN_BUDGET = 400  # seconds for one _run_and_replace, within the module's pytest timeout
 pytestmark = [pytest.mark.etcd, pytest.mark.timeout(480)]
 
@@ -41,28 +42,28 @@ def _slots(tmp: Path) -> dict[str, int]:
     return found
 
 
-_REFERENCES: dict[tuple[int, tuple[str, ...]], dict] = {}
+_REFERENCES: dict[tuple[int, int, tuple[str, ...]], dict] = {}
 
 
-def _reference(tmp: Path, world: int, *train: str) -> dict:
+def _reference(tmp: Path, world: int, *train: str, steps: int = STEPS) -> dict:
     """The same training on one supervisor with the same world size, with no failure
     (run once per world size and arguments: it is deterministic)."""
-    if (world, train) not in _REFERENCES:
-        _REFERENCES[world, train] = _run_reference(tmp, world, *train)
-    return _REFERENCES[world, train]
+    if (world, steps, train) not in _REFERENCES:
+        _REFERENCES[world, steps, train] = _run_reference(tmp, world, steps, *train)
+    return _REFERENCES[world, steps, train]
 
 
-def _run_reference(tmp: Path, world: int, *train: str) -> dict:
+def _run_reference(tmp: Path, world: int, steps: int, *train: str) -> dict:
     out = tmp / "reference.pt"
     done = run([*GEMINI, "run", "--nproc-per-node", str(world), "--no-standby", *TRAIN, *train,
-                "--steps", str(STEPS), "--out", str(out)],
+                "--steps", str(steps), "--out", str(out)],
                env=env_with(tmp / "ref", GEMINI_HOST_ID="ref"), timeout=240)
     assert done.returncode == 0, done.output[-3000:]
     return torch.load(out)
 
 
 def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
-                     nproc: int = 2, spares: int = 0, kill_at: int = 20,
+                     nproc: int = 2, spares: int = 0, kill_at: int = 20, steps: int = STEPS,
                      train: tuple[str, ...] = (), replace_after: float = 0.0,
                      probe: Callable[[EtcdServer, list[Host]], None] | None = None
                      ) -> list[dict]:
@@ -81,7 +82,7 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
                     "--rdzv-id", "repl", "--rdzv-conf", "last_call_timeout=1",
                     "--store", etcd.url, "--host-ttl", "3", "--max-restarts", "5",
                     "--replication-addr", "127.0.0.1", "--no-standby", *extra,
-                    *TRAIN, *train, "--steps", str(STEPS), "--sleep", "0.1",
+                    *TRAIN, *train, "--steps", str(steps), "--sleep", "0.1",
                     "--out", str(tmp / "out.pt")]
 
         try:
@@ -203,9 +204,10 @@ def test_a_lost_host_costs_at_most_the_replication_lag(tmp_path: Path, spares: i
     bound (2k + margin steps, k the steps between two replicated steps), never at step 0,
     and training ends bitwise equal to a run without failure: a torn replica is never
     chosen."""
-    reference = _reference(tmp_path, 2, *STATE)
+    reference = _reference(tmp_path, 2, *STATE, steps=LONG)
     kill_at = random.randint(25, 40)
     plans = _run_and_replace(tmp_path, 2, [0], *SLOW, nproc=1, spares=spares, kill_at=kill_at,
+                             steps=LONG,
                              train=STATE, replace_after=0 if spares else 1.0)
     killed = min(float(p["ts"]) for p in plans)  # type: ignore[arg-type]
     progress = [e for e in events(tmp_path / "runs")
@@ -321,7 +323,7 @@ def test_without_a_spare_the_job_shrinks_then_grows_back(tmp_path: Path) -> None
                 "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
                 "--rdzv-id", "shrink", "--rdzv-conf", "last_call_timeout=1", "--store", etcd.url,
                 "--max-restarts", "5", "--replication-addr", "127.0.0.1", "--no-standby",
-                *TRAIN, "--steps", str(STEPS), "--sleep", "0.1", "--out", str(tmp_path / "out.pt")]
+                *TRAIN, "--steps", str(LONG), "--sleep", "0.1", "--out", str(tmp_path / "out.pt")]
         try:
             rank0, victim = _kill_node_one(tmp_path, argv, 3, r"^step 20 ", hosts, by)
 
@@ -349,7 +351,7 @@ def test_without_a_spare_the_job_shrinks_then_grows_back(tmp_path: Path) -> None
     assert len(grows) == 3 and {p["from_world_size"] for p in grows} == {2}, grows
     grown = grows[0]["step"]
     assert len({p["step"] for p in grows}) == 1 and grown > shrunk, grows
-    reference = _chained_reference(tmp_path, [(3, shrunk), (2, grown), (3, STEPS - 1)])
+    reference = _chained_reference(tmp_path, [(3, shrunk), (2, grown), (3, LONG - 1)])
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
