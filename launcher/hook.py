@@ -211,7 +211,6 @@ class Checkpointer:
         self._seq = 0
         self._worker: CopyWorker | None = None
         self._saved = False  # whether save() was called yet
-        self._reserved: threading.Event | None = None  # set once the slots are reserved
         self._pending: threading.Event | None = None
         self._error: BaseException | None = None
         self._conn: socket.socket | None = None
@@ -274,8 +273,9 @@ class Checkpointer:
             return step + 1
         if step < 0 and all(segment is None for segment in self._segments):
             # Fail before training, not at the first save, if /dev/shm is too small; then
-            # reserve and pre-fault both slots in the background, so that the first save
-            # costs no more than a steady one.
+            # reserve and pre-fault both slots now, before training: so that the first
+            # save costs no more than a steady one. A fresh start only: a restart finds
+            # its slots in memory.
             state = self._capture()
             if self.optimizer is not None and (after := _after_first_step(self.optimizer)):
                 state["optimizer"] = after  # its state appears at the first step
@@ -284,8 +284,7 @@ class Checkpointer:
             own, shared = self._split(tensors, tree)
             nbytes = slot_bytes(own, len(tree) + len(shared))
             self._request({"op": "check", "rank": self.rank, "nbytes": nbytes})
-            self._reserved = threading.Event()
-            self._copier().submit(lambda: self._reserve(nbytes), self._reserved)
+            self._reserve(nbytes)
         if step < 0:
             self._discard_newer_than(-1)
             return 0
@@ -364,8 +363,7 @@ class Checkpointer:
         return self._worker
 
     def _reserve(self, nbytes: int) -> None:
-        """Create both slots at ``nbytes`` and map them (the copy thread, before the first
-        save: its job queues behind this one)."""
+        """Create both slots at ``nbytes`` and map them."""
         try:
             for index in range(2):
                 self._slot_for(index, nbytes)
@@ -395,8 +393,6 @@ class Checkpointer:
         if self._closed:
             return
         try:
-            if self._reserved is not None:
-                self._reserved.wait()
             self._wait()
         finally:
             self._closed = True

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from hosts import wait_for
 from memory_support import _model, _save_two_steps, _train, run_id, supervisor
 
 from launcher import codec, contract, copier, hook, memory, prefetch, rng
@@ -816,8 +815,8 @@ def test_pinned_slots_are_the_ones_holding_sstar_and_the_first_step_at_the_targe
 
 def test_a_fresh_start_reserves_both_slots_before_the_first_save(
         supervisor: SlotServer) -> None:
-    """``restore()`` on a fresh start creates both slots at the state's size in the
-    background; the first saves write into those very segments (no allocation on the
+    """``restore()`` on a fresh start creates both slots at the state's size before it
+    returns; the first saves write into those very segments (no allocation on the
     training path)."""
     model, opt = _model(width=64)
     ckpt = hook.Checkpointer(model=model, optimizer=opt)
@@ -828,8 +827,8 @@ def test_a_fresh_start_reserves_both_slots_before_the_first_save(
         return {p.name: (p.stat().st_ino, p.stat().st_size)
                 for p in memory.shm_dir().glob(prefix + "r0-s*")}
 
-    wait_for(lambda: len(slots()) == 2, 30, "both slots reserved", [])
     reserved = slots()
+    assert len(reserved) == 2, reserved
     for step in range(3):
         _train(model, opt)
         ckpt.save(step)
