@@ -14,11 +14,13 @@ gloo over loopback). Printed, side by side with their baselines:
 3. a host lost (killed, or frozen with SIGSTOP: no connection is ever refused) -> the
    first completed step after the restore, with 2 and 3 hosts, split into detection
    (the first survivor to know: its worker's communication error, a refused probe of
-   the dead supervisor, or unanswered heartbeats), rendezvous (to the round with the
-   new host), transfer (the new host pulls its ranks; with a hot spare mostly before the
-   round forms), worker start + restore (until the first rank printed that it resumed)
-   and the first step after it; with a hot spare, a replacement started at the loss, no
-   spare (the survivors shrink the job; with FSDP2 they reshard it), the persistent
+   the dead supervisor, or unanswered heartbeats), rendezvous (until the new round's
+   restore plan is made), worker start + restore (until the first rank printed that it
+   resumed) and the first step after it, which add up to the total; and the transfer
+   (the new host pulls its ranks, begun by a hot spare as soon as it learns of the loss,
+   ended while the workers start: it overlaps the other phases); with a hot spare, a
+   replacement started at the loss, no spare (the survivors shrink the job; with FSDP2
+   they reshard it), the persistent
    tier, and side by side torchrun restoring with torch.load from a torch.save written
    every step to local disk. About 250 MiB of state per host and a batch of 16 tokens;
    each step then sleeps 0.5 s, standing in for GPU compute that leaves the host's CPU
@@ -333,9 +335,10 @@ def _phases(variant: Variant, run_root: Path, survivors: list[str], faulted: flo
             if plan["host"] == "new" or variant.shrink else {"memory"})
     if not set(plan["sources"].values()) <= want:  # type: ignore[union-attr]
         raise RuntimeError(f"expected a restore from {want}: {plan}")
-    return {"detection": detected - faulted, "rendezvous": planned - transfer - detected,
-            "transfer": transfer, "start + restore": resumed - planned,
-            "first step": first_step - resumed}
+    made = planned - transfer  # the event is written once the transfer is done
+    return {"detection": detected - faulted, "rendezvous": made - detected,
+            "start + restore": resumed - made, "first step": first_step - resumed,
+            "transfer (overlapped)": transfer}
 
 
 def _first_known(run_root: Path, survivors: list[str], after: float) -> dict[str, float]:
@@ -427,7 +430,8 @@ def host_loss_tables(args: argparse.Namespace) -> Iterator[list[str]]:
                               "--persist-every", "1")),
                 Variant("torchrun + torch.save/torch.load (local disk), replacement "
                         "started at the kill", torchrun=True)]
-    phases = ("detection", "rendezvous", "transfer", "start + restore", "first step", "total")
+    phases = ("detection", "rendezvous", "start + restore", "first step", "total",
+              "transfer (overlapped)")
     for nodes in args.hosts:
         rows = []
         results: dict[str, list[dict[str, float]]] = {v.name: [] for v in variants}

@@ -46,9 +46,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Seconds a round waits for the pulls a spare began when it learned of a lost host
-#: (:meth:`MemoryService.take_over`) before aborting them: what they have not brought in
-#: by then is pulled again as the plan says.
+#: Seconds a round's restore, while the workers start, waits for a pull of the restore
+#: step that a spare began when it learned of a lost host (:meth:`MemoryService.take_over`)
+#: before aborting it: what it has not brought in by then is pulled again as the plan says.
 TAKE_OVER_WAIT = 2.0
 
 
@@ -72,6 +72,9 @@ class MemoryService:
         self._pulling: threading.Thread | None = None
         self._taking_over: threading.Thread | None = None  # see take_over
         self._stop_taking_over = threading.Event()
+        self._taking: tuple[int, int] | None = None  # the (rank, step) it pulls now
+        self._take_step: int | None = None  # once the round chose it: the step it may pull
+        self._taken: set[tuple[int, int]] = set()  # the (rank, step) it pulled, verified
         self.events = events
         self.replication = replication
         self.persist = persist
@@ -95,19 +98,27 @@ class MemoryService:
             return
         replication = self.replication
         self._stop_taking_over.clear()
+        self._take_step = None
+        self._taken = set()
 
         def run() -> None:
             for rank, held in sorted(copies.items()):
                 for address, step in held:
                     if self._stop_taking_over.is_set():
                         return
+                    if self._take_step is not None and step != self._take_step:
+                        continue
                     began = time.monotonic()
+                    self._taking = (rank, step)
                     try:
                         replication.pull(address, rank, step)
                     except GeminiError as exc:
                         logger.warning("taking over rank %d: step %d from %s:%d failed: %s",
                                        rank, step, *address, exc)
                         continue
+                    finally:
+                        self._taking = None
+                    self._taken.add((rank, step))
                     self.events.write("take_over", rank=rank, step=step,
                                       seconds=round(time.monotonic() - began, 4))
                     break
@@ -115,11 +126,11 @@ class MemoryService:
         self._taking_over = threading.Thread(target=run, name="gemini-take-over", daemon=True)
         self._taking_over.start()
 
-    def _end_take_over(self) -> None:
-        """Let a pull begun by :meth:`take_over` finish, for a while, then abort it."""
+    def _end_take_over(self, wait: float = TAKE_OVER_WAIT) -> None:
+        """Let a pull begun by :meth:`take_over` finish, for ``wait`` seconds, then abort it."""
         if self._taking_over is None:
             return
-        self._taking_over.join(TAKE_OVER_WAIT)
+        self._taking_over.join(wait)
         self._stop_taking_over.set()
         if self._taking_over.is_alive() and self.replication is not None:
             self.replication.abort_pulls()
@@ -130,7 +141,6 @@ class MemoryService:
         if self._pulling is not None:  # the last round's transfers end before this one's
             self._pulling.join()
             self._pulling = None
-        self._end_take_over()
         if self.replication is not None:
             self.replication.pause()
         ranks = [w.global_rank for w in group.workers]
@@ -151,6 +161,13 @@ class MemoryService:
                               reports={str(k): v for k, v in reports.items()})
         scanned = time.monotonic()
         restore = -1 if plan.step is None else plan.step
+        # A take-over still pulling the restore step of one of this host's ranks goes on
+        # while the workers start (see _bring_in_the_rest); any other pull ends now.
+        self._take_step = restore
+        taking = self._taking
+        if taking is None or plan.reshard or plan.world_size is not None or (
+                taking[0] not in ranks or taking[1] != restore):
+            self._end_take_over(wait=0)
         self.owner.discard_newer_than(restore)
         self.owner.reset_pins(restore)  # kept until this round's first s*
         if self.persist is not None:
@@ -212,9 +229,11 @@ class MemoryService:
             ([rank], [rank]) for rank in arrivals]
 
         def run() -> None:
+            self._end_take_over()
             for wanted, waiting in batches:
                 try:
-                    used.update(self._bring_in(plan, wanted, reports))
+                    if plan.reshard or not self._taken_over(wanted, restore, used):
+                        used.update(self._bring_in(plan, wanted, reports))
                 except Exception as exc:  # the worker's restore fails with it, and says why
                     for rank in waiting:
                         arrivals[rank].set_exception(CheckpointError(
@@ -229,6 +248,17 @@ class MemoryService:
             self._pulling.start()
         else:
             run()
+
+    def _taken_over(self, ranks: list[int], step: int, used: dict[int, str]) -> bool:
+        """Whether a take-over brought ``step`` of every one of ``ranks`` into own slots
+        (pulled and verified as it landed); if so they count as restored from memory."""
+        own = self.owner.segments()
+        found = [self.owner.find(rank, step) for rank in ranks]
+        if not all((rank, step) in self._taken and seg is not None and seg in own.get(rank, [])
+                   for rank, seg in zip(ranks, found, strict=True)):
+            return False
+        used.update(dict.fromkeys(ranks, Tier.MEMORY.name.lower()))
+        return True
 
     def _verified(self, ranks: list[int], step: int) -> dict[int, int]:
         """The seq of each rank's own slot holding ``step``: every such slot was verified
