@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import functools
 import itertools
 import json
 import math
@@ -318,21 +319,26 @@ def replica_ranks(node: dict[str, Any], rank: int) -> set[int]:
     elements as ``rank``'s: those at its coordinates on every mesh dimension the tensor
     is not replicated over (HSDP's shards repeat across its replicate dimension). A rank
     off the mesh has only itself."""
-    mesh = json.loads(node["mesh"])[1]
-    here = _coordinate(mesh, rank)
-    if here is None:
-        return {rank}
-    fixed = [d for d, placement in enumerate(node["placements"]) if placement[0] != "Replicate"]
-    found, stack = set(), [mesh]
+    fixed = tuple(d for d, placement in enumerate(node["placements"])
+                  if placement[0] != "Replicate")
+    return set(_replicas_on(node["mesh"], fixed, rank))
+
+
+@functools.lru_cache(maxsize=256)
+def _replicas_on(mesh_key: str, fixed: tuple[int, ...], rank: int) -> frozenset[int]:
+    coordinates: dict[int, tuple[int, ...]] = {}
+    stack: list[tuple[Any, tuple[int, ...]]] = [(json.loads(mesh_key)[1], ())]
     while stack:
-        item = stack.pop()
+        item, at = stack.pop()
         if isinstance(item, list):
-            stack.extend(item)
-            continue
-        there = _coordinate(mesh, item)
-        if there is not None and all(there[d] == here[d] for d in fixed):
-            found.add(int(item))
-    return found
+            stack.extend((value, (*at, i)) for i, value in enumerate(item))
+        else:
+            coordinates[int(item)] = at
+    here = coordinates.get(rank)
+    if here is None:
+        return frozenset({rank})
+    return frozenset(other for other, there in coordinates.items()
+                     if all(there[d] == here[d] for d in fixed))
 
 
 def load_state(buf: Any, meta: dict[str, Any], resolve: Resolve | None = None

@@ -212,6 +212,17 @@ def test_replicated_tensors_are_spread_over_the_ranks_of_a_host_alike_everywhere
     assert codec.assign_shares(sizes, [False] * 6, [4, 5]) == [None] * 6
 
 
+def test_the_ranks_holding_the_same_shard_are_those_along_replicate_dimensions() -> None:
+    node = {"mesh": json.dumps(["cpu", [[0, 1], [2, 3]], ["replicate", "shard"]]),
+            "placements": [["Replicate"], ["Shard", 0]]}  # HSDP
+    assert [sorted(codec.replica_ranks(node, r)) for r in range(4)] == [[0, 2], [1, 3]] * 2
+    node["placements"] = [["Shard", 0], ["Shard", 1]]
+    assert codec.replica_ranks(node, 1) == {1}
+    node["placements"] = [["Replicate"], ["Partial", "sum"]]  # a pending sum differs
+    assert codec.replica_ranks(node, 1) == {1, 3}
+    assert codec.replica_ranks(node, 9) == {9}  # off the mesh
+
+
 def test_a_slot_that_shares_tensors_is_read_with_its_owners_copy() -> None:
     mine, theirs = torch.arange(4.0), torch.arange(6, dtype=torch.int64).view(2, 3)
     buf, other = bytearray(memory.HEADER_SIZE + 64), bytearray(memory.HEADER_SIZE + 64)
