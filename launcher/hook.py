@@ -252,12 +252,8 @@ class Checkpointer:
         self._wait()
         step = int(os.environ.get(ENV_RESTORE_STEP, "-1"))
         self._verified = prefetch.verified_seqs()
-        # A pull from a peer may still be on its way: wait for this rank's, and for those
-        # of the ranks that keep shares of its state.
-        for rank in sorted({self.rank, *self._sharers()}) if step >= 0 else []:
-            seq = self._request({"op": "await", "rank": rank}).get("seq")
-            if seq is not None:
-                self._verified[rank] = int(seq)
+        if step >= 0:  # a pull from a peer may still be on its way: wait for this rank's
+            self._await(self.rank)
         verified = self._verified.get(self.rank)
         self._attach_existing()
         reshard_from = int(os.environ.get(ENV_RESTORE_RESHARD, "0") or 0)
@@ -504,6 +500,10 @@ class Checkpointer:
         """Finds the copy of ``step`` that another rank of this host wrote (see
         ``replicated``), verified unless the supervisor just did."""
         def resolve(rank: int) -> tuple[Any, dict[str, Any]]:
+            if not opened:  # the other ranks' pulls may still be on their way
+                for other in self._host_ranks():
+                    if other != self.rank:
+                        self._await(other)
             segment = self._copy_of(rank, step, world)
             opened.append(segment)
             header = memory.read_header(segment.view)
@@ -514,6 +514,13 @@ class Checkpointer:
             return segment.view, meta
 
         return resolve
+
+    def _await(self, rank: int) -> None:
+        """Wait until the supervisor has ``rank``'s restore step in this host's memory;
+        note the seq of the slot it verified, if any."""
+        seq = self._request({"op": "await", "rank": rank}).get("seq")
+        if seq is not None:
+            self._verified[rank] = int(seq)
 
     def _live_meshes(self) -> dict[str, Any]:
         """The device meshes the saved DTensors are rebuilt on: those of the model, the
