@@ -432,6 +432,9 @@ def host_loss_tables(args: argparse.Namespace) -> Iterator[list[str]]:
                         "started at the kill", torchrun=True)]
     phases = ("detection", "rendezvous", "start + restore", "first step", "total",
               "transfer (overlapped)")
+    if args.rows is not None:
+        variants = [v for i, v in enumerate(variants, 1)
+                    if i in args.rows or i == len(variants)]
     for nodes in args.hosts:
         rows = []
         results: dict[str, list[dict[str, float]]] = {v.name: [] for v in variants}
@@ -439,6 +442,10 @@ def host_loss_tables(args: argparse.Namespace) -> Iterator[list[str]]:
             for _ in range(args.repeat):
                 for variant in variants:  # interleaved
                     results[variant.name].append(host_loss(variant, nodes, etcd))
+                    if args.each:
+                        print(f"{nodes} hosts, {variant.name}: " + ", ".join(
+                            f"{k} {v:.2f}" for k, v in results[variant.name][-1].items()),
+                            file=sys.stderr, flush=True)
         baseline = statistics.median(r["total"] for r in results[variants[-1].name])
         for name, runs in results.items():
             medians = {k: statistics.median(r[k] for r in runs) if k in runs[0] else None
@@ -487,6 +494,11 @@ def main() -> None:
                         default=[2, 3], help="host counts of part 3")
     parser.add_argument("--scaling", type=lambda t: [int(n) for n in t.split(",")],
                         default=[2, 4, 8], help="host counts of part 4")
+    parser.add_argument("--rows", type=lambda t: {int(n) for n in t.split(",")},
+                        default=None, help="part 3: only these rows (1-based; the last "
+                        "one, the baseline, always runs)")
+    parser.add_argument("--each", action="store_true",
+                        help="part 3: print every run's phases to stderr too")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     print(f"machine: {machine()}\nmedians of {args.repeat} runs\n", flush=True)

@@ -28,19 +28,21 @@ WORLD = 2
 _seq = itertools.count(1)
 
 
-def make_meta(data: bytes, step: int) -> bytes:
-    """Hook-format metadata for ``data`` as two tensors with xxh3 checksums."""
+def make_meta(data: bytes, step: int, **fields: Any) -> bytes:
+    """Hook-format metadata for ``data`` as two tensors with xxh3 checksums (``fields``
+    added at the top level, e.g. ``replicated=True``)."""
     half = len(data) // 2
     tensors = [{"path": path, "dtype": "uint8", "shape": [end - start], "offset": start,
                 "nbytes": end - start, "device": "cpu",
                 "xxh3": f"{xxhash.xxh3_64_intdigest(data[start:end]):016x}"}
                for path, start, end in (("a", 0, half), ("b", half, len(data)))]
-    return json.dumps({"step": step, "tensors": tensors, "blocks": [], "tree": {}}).encode()
+    return json.dumps({"step": step, **fields, "tensors": tensors, "blocks": [],
+                       "tree": {}}).encode()
 
 
-def fill(owner: SlotOwner, rank: int, step: int, data: bytes) -> memory.Segment:
+def fill(owner: SlotOwner, rank: int, step: int, data: bytes, **fields: Any) -> memory.Segment:
     """Commit ``data`` as ``step`` of ``rank`` in one of ``owner``'s own slots."""
-    meta = make_meta(data, step)
+    meta = make_meta(data, step, **fields)
     segment = owner.write_target(rank, memory.slot_size(len(data), len(meta)), replica=False)
     segment.view[memory.HEADER_SIZE:memory.HEADER_SIZE + len(data)] = data
     memory.write_commit(segment.view, step=step, seq=next(_seq), rank=rank, world_size=WORLD,

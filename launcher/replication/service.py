@@ -179,6 +179,8 @@ class ReplicationService:
         self._restored = -1  # the step this round started from: kept until s* passes it
         self._gate = IdleGate() if pace and IdleGate.available() else None
         self.pushes = 0  # completed pushes (a step of a rank to one holder)
+        self.sent = 0  # data bytes pushed
+        self.skipped = 0  # data bytes not pushed: the holders had them (see transport)
         self._running = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._send_loop, name="gemini-replication",
@@ -497,8 +499,11 @@ class ReplicationService:
             client = self._clients.get(holder)
             if client is None:
                 client = self._clients[holder] = self.client(holder)
+            sent, skipped = client.sent, client.skipped
             step = client.push(segment, pace=pacer, keep=keep, round_id=self._round_id,
                                expect=header)
+            self.sent += client.sent - sent
+            self.skipped += client.skipped - skipped
         except ReplicationError as exc:
             first = holder not in self._failures
             self._failures[holder] = time.monotonic()
@@ -532,7 +537,8 @@ class ReplicationService:
 
     def close(self) -> None:
         self.stop_sending()
-        self.events.write("replication_done", pushes=self.pushes)
+        self.events.write("replication_done", pushes=self.pushes, sent=self.sent,
+                          skipped=self.skipped)
         with self._lock:
             for client in self._clients.values():
                 client.close()

@@ -31,7 +31,9 @@ Wire protocol (all integers little endian)::
              round, refused when the server is in another one (a sender frozen past
              --host-ttl and woken must not overwrite the current round's replicas)
           s: {"ok":true} | {"ok":true,"have":true} (already held; nothing follows)
-          c: data_len raw bytes (sendfile from the slot's file)
+             | {"ok":true,"skip":[[start,end],...]} (data ranges it filled from its own
+             memory, checksums matched: see "Bytes a peer holds already" below)
+          c: data_len raw bytes, less the skipped ranges (sendfile from the slot's file)
           c: {"op":"end","stable":bool}     s: {"ok":true,"step":S} | {"ok":true,"aborted":true}
     GET   c: {"op":"get", rank, step}
           s: {"ok":true, run_id, rank, step, seq, world_size, data_len, meta_hash} + meta
@@ -49,6 +51,18 @@ Data moves without copies through Python: the sender ``os.sendfile``\\ s from th
 file in ``/dev/shm``, the receiver ``recv_into``\\ s straight into the target slot's mapping.
 A sender re-checks the slot's seqlock (:func:`launcher.memory.unchanged`) after the data
 and tells the receiver to discard bytes that may have been overwritten mid-send.
+
+Bytes a peer holds already are not sent. Data-parallel hosts hold the same parameters
+and optimizer state, bit for bit (and frozen weights stay the same from step to step), so
+before the data of a PUT the receiver looks up every checksummed range of at least
+:data:`REUSE_MIN` bytes among the committed slots it holds (its own ranks' and its
+replicas) by checksum and length, copies each one it finds into the target slot and
+hashes the copy as it lands; only the ranges whose copy matched are skipped. A range
+copied from a slot that was rewritten meanwhile fails its checksum and is sent as usual.
+When the metadata says the state is a data-parallel replica and the receiver's own ranks
+have not yet committed the pushed step (hosts commit the same step at about the same
+time), it waits up to :data:`REUSE_WAIT` seconds for them. The replica is a complete copy
+either way: it is served to a replacement host like any other.
 """
 
 from __future__ import annotations
@@ -101,6 +115,12 @@ SEND_CHUNK = 8 << 20
 RECV_LOWAT = 1 << 20
 """A receiver of data wakes up for this many bytes at a time (``SO_RCVLOWAT``), not for
 every packet: wake-ups, not copies, dominate a loopback or virtualised transfer."""
+REUSE_MIN = 1 << 20
+"""A checksummed range of a push at least this large is looked up in the receiver's memory."""
+REUSE_WAIT = 1.0
+"""Seconds a receiver waits for its own ranks to commit the step a data-parallel peer pushes."""
+MAX_SKIP = 2048
+"""Most skipped ranges one reply names (adjacent ranges are merged first)."""
 
 _SERVER_PROOF = b"gemini-transport server proof"
 _CLIENT_PROOF = b"gemini-transport client proof"
@@ -120,6 +140,10 @@ class SlotSource(Protocol):
 
     def pin(self, rank: int, step: int) -> None:
         """Keep the replica of ``step`` of ``rank`` from being overwritten."""
+        ...
+
+    def segments(self, *, replica: bool = False) -> dict[int, list[memory.Segment]]:
+        """The mapped own slots (or replica slots) per rank."""
         ...
 
 
@@ -419,31 +443,70 @@ def _sendall(sock: socket.socket, data: bytes, timeout: float) -> None:
 
 
 def _recv_data(sock: socket.socket, view: memoryview, timeout: float,
-               verifier: memory.StreamVerifier) -> None:
-    """Fill ``view`` from ``sock``, at most :data:`RECV_LOWAT` bytes at a time, each
-    checked by ``verifier`` while it is in the cache; ``timeout`` bounds each wait for
-    the next :data:`RECV_LOWAT` bytes (or the rest, when fewer are left)."""
-    n = len(view)
+               verifier: memory.StreamVerifier,
+               ranges: list[tuple[int, int]] | None = None) -> None:
+    """Fill ``ranges`` of ``view`` (all of it by default) from ``sock``, in order, at
+    most :data:`RECV_LOWAT` bytes at a time, each checked by ``verifier`` while it is in
+    the cache; ``timeout`` bounds each wait for the next :data:`RECV_LOWAT` bytes (or
+    the rest, when fewer are left)."""
+    n = sum(end - start for start, end in ranges) if ranges is not None else len(view)
     got = 0
     lowat = 1
     try:
         sock.settimeout(timeout)
-        while got < n:
-            want = min(RECV_LOWAT, n - got)
-            if want != lowat:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                lowat = want
-            k = sock.recv_into(view[got:], want)
-            if k == 0:
-                raise _Broken(f"truncated data: peer closed after {got} of {n} bytes")
-            got += k
-            verifier.advance(got)
+        for start, end in ranges if ranges is not None else [(0, len(view))]:
+            at = start
+            while at < end:
+                want = min(RECV_LOWAT, end - at)
+                if want != lowat:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    lowat = want
+                k = sock.recv_into(view[at:end], want)
+                if k == 0:
+                    raise _Broken(f"truncated data: peer closed after {got} of {n} bytes")
+                at += k
+                got += k
+                verifier.advance(at)
         if lowat != 1:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
     except TimeoutError:
         raise ReplicationError(f"data stalled for {timeout} s after {got} of {n} bytes") from None
     except OSError as exc:
         raise _Broken(f"connection lost after {got} of {n} data bytes: {exc}") from None
+
+
+def _offset(pace: Callable[[int], None] | None, base: int) -> Callable[[int], None] | None:
+    """``pace`` for a part of a push that begins ``base`` bytes into it."""
+    return None if pace is None else lambda sent: pace(base + sent)
+
+
+def _complement(skip: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The ranges of ``[0, n)`` outside ``skip`` (sorted, disjoint)."""
+    left, at = [], 0
+    for start, end in skip:
+        if start > at:
+            left.append((at, start))
+        at = end
+    if at < n:
+        left.append((at, n))
+    return left
+
+
+def parse_skip(message: dict[str, Any], data_len: int) -> list[tuple[int, int]]:
+    """The data ranges a PUT reply says the receiver filled itself: sorted, disjoint,
+    within the data."""
+    raw = message.get("skip", [])
+    if not isinstance(raw, list) or len(raw) > MAX_SKIP:
+        raise ReplicationError("invalid skip list")
+    skip, at = [], 0
+    for item in raw:
+        if (not isinstance(item, list) or len(item) != 2
+                or not all(type(x) is int for x in item)
+                or not at <= item[0] < item[1] <= data_len):
+            raise ReplicationError("invalid skip list")
+        skip.append((item[0], item[1]))
+        at = item[1]
+    return skip
 
 
 def _send_file(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
@@ -601,6 +664,107 @@ def _slot_message(header: memory.SlotHeader, run_id: str) -> dict[str, Any]:
 
 # -- server ---------------------------------------------------------------------------
 
+class _HeldBytes:
+    """The large checksummed ranges of the committed slots a host holds (its own ranks'
+    and its replicas), by checksum and length: what a push need not carry (see the
+    module's docstring)."""
+
+    def __init__(self, slots: SlotSource) -> None:
+        self._slots = slots
+        self._lock = threading.Lock()
+        self._ranges: dict[str, tuple[int, dict[tuple[int, int], int]]] = {}  # see _of
+        self._missed: dict[int, bool] = {}  # rank -> nothing of its step was held here
+
+    def _of(self, segment: memory.Segment, header: memory.SlotHeader
+            ) -> dict[tuple[int, int], int]:
+        """``(xxh3, nbytes) -> start`` of the committed step ``header`` describes."""
+        with self._lock:
+            cached = self._ranges.get(segment.name)
+        if cached is not None and cached[0] == header.seq:
+            return cached[1]
+        try:
+            meta = memory.read_meta(segment.view, header)
+            found = {(int(e["xxh3"], 16), int(e["nbytes"])): int(e["offset"])
+                     for e in meta["tensors"]
+                     if e.get("xxh3") is not None and int(e["nbytes"]) >= REUSE_MIN}
+        except (CheckpointError, ValueError, KeyError, TypeError, AttributeError):
+            found = {}
+        with self._lock:
+            self._ranges[segment.name] = (header.seq, found)
+        return found
+
+    def _index(self) -> tuple[dict[tuple[int, int], tuple[memory.Segment, int]], int | None]:
+        """Where each large range is held, and the step every own rank has committed
+        (None: no own ranks)."""
+        index: dict[tuple[int, int], tuple[memory.Segment, int]] = {}
+        newest: list[int] = []
+        for replica in (False, True):
+            for segments in self._slots.segments(replica=replica).values():
+                steps = [-1]
+                for segment in segments:
+                    try:
+                        header = memory.read_header(segment.view)
+                    except ValueError:  # unmapped meanwhile (a regrow)
+                        continue
+                    if header is None or header.state is not memory.SlotState.COMMITTED:
+                        continue
+                    steps.append(header.step)
+                    for key, start in self._of(segment, header).items():
+                        index.setdefault(key, (segment, start))
+                if not replica:
+                    newest.append(max(steps))
+        return index, min(newest, default=None)
+
+    def fill(self, buf: mmap.mmap, header: memory.SlotHeader, verifier: memory.StreamVerifier
+             ) -> list[int]:
+        """Copy into ``buf`` each large range of the pushed step that a held slot has,
+        checking every copy; the indices (in ``verifier.ranges()``) of those that matched."""
+        ranges = verifier.ranges()
+        wanted = [i for i, (start, end, _) in enumerate(ranges) if end - start >= REUSE_MIN]
+        if not wanted:
+            return []
+        meta = verifier.meta
+        replica = meta.get("replicated") is True and meta.get("sharded") is not True
+        wait = REUSE_WAIT if replica and not self._missed.get(header.rank) else 0.0
+        deadline = time.monotonic() + wait
+        while True:
+            index, newest = self._index()
+            hits = [i for i in wanted if (ranges[i][2], ranges[i][1] - ranges[i][0]) in index]
+            if (len(hits) == len(wanted) or newest is None or newest >= header.step
+                    or time.monotonic() >= deadline):
+                break
+            time.sleep(0.01)
+        filled = []
+        for i in hits:
+            start, end, digest = ranges[i]
+            segment, at = index[(digest, end - start)]
+            try:
+                if memory.copy_checked(segment.view, at, buf, start, end - start, digest):
+                    filled.append(i)
+            except ValueError:  # unmapped meanwhile
+                continue
+        if filled or newest is not None and newest >= header.step:
+            # held nothing of it, though the own ranks had the step: not data-parallel
+            self._missed[header.rank] = not filled
+        return filled
+
+
+def _skipped(ranges: list[tuple[int, int, int]], filled: list[int]) -> list[tuple[int, int]]:
+    """The data ranges to skip on the wire: the ``filled`` ones (indices into ``ranges``),
+    neighbours merged, at most :data:`MAX_SKIP`."""
+    skip: list[tuple[int, int]] = []
+    last = -2
+    for i in filled:
+        start, end, _ = ranges[i]
+        if i == last + 1 and skip:  # no checksummed range lies between them
+            skip[-1] = (skip[-1][0], end)
+        elif len(skip) < MAX_SKIP:
+            skip.append((start, end))
+        else:
+            break
+        last = i
+    return skip
+
 class Server:
     """Serves PUT and GET to authenticated peers: one accept thread, one thread per
     connection. A rejected connection (failed authentication, malformed or oversized
@@ -617,8 +781,9 @@ class Server:
                  idle_timeout: float = 600.0, max_connections: int = 64, nice: int = 0) -> None:
         """Listen on ``host:port`` (0: any free port, see :attr:`address`). ``timeout``
         bounds every wait once a frame or the data has started, ``handshake_timeout`` the
-        whole handshake, ``idle_timeout`` the wait for a client's next request; connection
-        threads run at niceness ``nice`` (see :func:`lower_priority`)."""
+        whole handshake, ``idle_timeout`` the wait for a client's next request; a connection
+        thread that receives pushes runs at niceness ``nice`` (see :func:`lower_priority`),
+        one that serves pulls (a host restoring) at full priority."""
         _check_secret(secret)
         self.slots = slots
         self.run_id = run_id
@@ -634,6 +799,7 @@ class Server:
         """The replication round this host is in: pushes from another one are refused."""
         self._lock = threading.Lock()
         self._rank_locks: dict[int, threading.Lock] = {}
+        self._reuse = _HeldBytes(slots)
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._authenticating: dict[str, int] = {}  # source address -> connections
         self._authenticated = 0
@@ -763,12 +929,12 @@ class Server:
                 if isinstance(request, PingRequest):  # answered at full priority
                     channel.send({"ok": True, "round": self.round})
                     continue
-                if not lowered:  # a connection that moves data: at replication's priority
-                    lowered = True
-                    lower_priority(self.nice)
                 if isinstance(request, PutRequest):
+                    if not lowered:  # replication's pushes: at its priority, from here on
+                        lowered = True
+                        lower_priority(self.nice)
                     self._put(channel, request, peer)
-                else:
+                else:  # a pull restores a host now: at full priority
                     self._get(channel, request)
         except ReplicationError as exc:
             if self._closed:
@@ -869,10 +1035,14 @@ class Server:
                 self._try_reply(channel, {"ok": False, "error": f"bad metadata: {exc}"})
                 raise ReplicationError(f"rank {header.rank} step {header.step}: bad metadata: "
                                        f"{exc}") from None
-            channel.send({"ok": True})
+            skip = _skipped(verifier.ranges(), self._reuse.fill(buf, header, verifier))
+            verifier.trust(start for start, end, _ in verifier.ranges()
+                           if any(a <= start and end <= b for a, b in skip))
+            channel.send({"ok": True, "skip": [list(r) for r in skip]} if skip else {"ok": True})
             with memoryview(buf) as whole, \
                     whole[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len] as data:
-                _recv_data(channel.sock, data, self.timeout, verifier)
+                _recv_data(channel.sock, data, self.timeout, verifier,
+                           _complement(skip, header.data_len) if skip else None)
             stable = parse_trailer(channel.recv()[0])
             if not stable:
                 channel.send({"ok": True, "aborted": True})
@@ -936,6 +1106,10 @@ class Client:
         self._lock = threading.Lock()
         self._channel: _Channel | None = None
         self._closes = 0  # close() calls: an operation that sees one fail does not retry
+        self.sent = 0
+        """Data bytes pushed so far."""
+        self.skipped = 0
+        """Data bytes the peers already held, so not pushed (see the module's docstring)."""
 
     @property
     def peer(self) -> str:
@@ -1016,10 +1190,17 @@ class Client:
               round_id: str) -> int | None:
         channel.send({"op": "put", **_slot_message(header, self.run_id), "keep": keep,
                       "round": round_id}, meta)
-        if parse_reply(channel.recv()[0]).get("have") is True:
+        reply = parse_reply(channel.recv()[0])
+        if reply.get("have") is True:
             return header.step
-        _send_file(channel.sock, source.fd, memory.HEADER_SIZE, header.data_len, self.timeout,
-                   pace=pace)
+        skip = parse_skip(reply, header.data_len)
+        sent = 0
+        for start, end in _complement(skip, header.data_len):
+            _send_file(channel.sock, source.fd, memory.HEADER_SIZE + start, end - start,
+                       self.timeout, pace=_offset(pace, sent))
+            sent += end - start
+        self.sent += sent
+        self.skipped += header.data_len - sent
         stable = source.unchanged(header)
         channel.send({"op": "end", "stable": stable})
         reply = parse_reply(channel.recv()[0])

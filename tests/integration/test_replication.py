@@ -147,8 +147,11 @@ def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int, nproc: i
     every third step is replicated, so the survivors may need theirs back from peers too.
     Before the kill, each host's shared memory holds 2 x m x its state, no more. With two
     workers per host, their replicated state is split between their slots (one copy per
-    host), and the replacement restores each rank from both of its ranks' pulled slots."""
-    train = ("--replicated",) if nproc > 1 else ()
+    host), and the replacement restores each rank from both of its ranks' pulled slots.
+    With one worker per host, large tensors (over the 4 MiB of the block of small ones):
+    every host holds the same parameters and optimizer state, so replication sends
+    little of them (the receivers copy what they hold)."""
+    train = ("--replicated",) if nproc > 1 else ("--width", "1100", "--depth", "1")
     reference = _reference(tmp_path, nproc * nodes, *train)
     plans = _run_and_replace(tmp_path, nodes, [1], "--replicate-every", str(every),
                              "--replicas", str(replicas), nproc=nproc, train=train,
@@ -160,6 +163,10 @@ def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int, nproc: i
         want = {"peer"} if plan["host"] == "new0" else {"memory"} if every == 1 else {"memory", "peer"}
         assert set(plan["sources"].values()) <= want and plan["sources"], plan  # type: ignore[union-attr]
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+    if nproc == 1:
+        done = [e for e in events(tmp_path / "runs") if e["event"] == "replication_done"]
+        sent, skipped = (sum(int(e[k]) for e in done) for k in ("sent", "skipped"))  # type: ignore[call-overload]
+        assert len(done) == nodes and skipped > 2 * sent, done
 
 
 def test_standby_host_takes_the_lost_slot(tmp_path: Path) -> None:

@@ -76,6 +76,61 @@ def test_push_makes_a_bitwise_equal_verified_replica(net: Net) -> None:
     assert net.rejects == []
 
 
+def test_a_push_does_not_send_the_bytes_the_receiver_holds(net: Net) -> None:
+    """Data-parallel hosts hold the same tensors: the receiver copies those it holds in
+    any committed slot (found by checksum and length, each copy checked as it lands), and
+    only the rest travels. The replica is complete and verified either way."""
+    half = 2 << 20
+    same, other = random_data(half, 1), random_data(half, 2)
+    fill(net.b, 1, 7, same + other)  # host b's own rank 1 holds both tensors
+    server = net.server()
+    client = net.client(server)
+    for data, skipped in ((same + other, 2 * half),  # all of it held
+                          (same + random_data(half, 3), half)):  # tensor "b" differs
+        source = fill(net.a, 0, 7 if skipped == 2 * half else 8, data)
+        before = client.sent
+        assert client.push(source) is not None
+        replica = net.b.find(0, memory.read_header(source.view).step)  # type: ignore[union-attr]
+        assert replica is not None and slot_bytes(replica) == data
+        assert memory.describe(replica).valid_step is not None
+        assert client.sent - before == 2 * half - skipped
+    assert client.skipped == 3 * half
+    assert net.rejects == []
+
+
+def test_a_held_copy_that_fails_its_checksum_is_sent_instead(net: Net) -> None:
+    """A held slot whose bytes no longer match its checksums (rewritten, or corrupt) is
+    never copied into a replica: the range is sent."""
+    half = 2 << 20
+    data = random_data(2 * half, 1)
+    held = fill(net.b, 1, 7, data)
+    held.view[memory.HEADER_SIZE + 10] ^= 0xFF  # tensor "a" of b's copy is corrupt
+    client = net.client(net.server())
+    assert client.push(fill(net.a, 0, 7, data)) == 7
+    replica = net.b.find(0, 7)
+    assert replica is not None and slot_bytes(replica) == data
+    assert (client.sent, client.skipped) == (half, half)
+
+
+def test_a_data_parallel_push_waits_briefly_for_the_receivers_own_step(net: Net) -> None:
+    """Hosts commit the same step at about the same time: for a data-parallel replica
+    (``replicated`` in the metadata) the receiver waits for its own ranks to commit the
+    pushed step, then copies what it holds."""
+    half = 2 << 20
+    data = random_data(2 * half, 1)
+    fill(net.b, 1, 6, random_data(2 * half, 2), replicated=True)
+    client = net.client(net.server())
+    later = threading.Timer(0.3, lambda: fill(net.b, 1, 7, data, replicated=True))
+    later.start()
+    try:
+        assert client.push(fill(net.a, 0, 7, data, replicated=True)) == 7
+    finally:
+        later.join()
+    replica = net.b.find(0, 7)
+    assert replica is not None and slot_bytes(replica) == data
+    assert (client.sent, client.skipped) == (0, 2 * half)
+
+
 def test_repeated_pushes_alternate_the_double_buffer(net: Net) -> None:
     server = net.server()
     client = net.client(server)
