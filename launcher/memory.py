@@ -657,10 +657,6 @@ class StreamVerifier:
 
 _EMPTY = xxhash.xxh3_64_intdigest(b"")
 
-COPY_CHUNK = 4 << 20
-""":func:`copy_checked` hashes each chunk right after copying it, while it is in the cache."""
-
-
 def copy_checked(src: mmap.mmap, src_start: int, dst: mmap.mmap, dst_start: int, nbytes: int,
                  digest: int) -> bool:
     """Copy ``nbytes`` data bytes of slot ``src`` from ``src_start`` into slot ``dst`` at
