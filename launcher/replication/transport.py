@@ -749,10 +749,13 @@ class _HeldBytes:
         return filled
 
 
-def _skipped(ranges: list[tuple[int, int, int]], filled: list[int]) -> list[tuple[int, int]]:
-    """The data ranges to skip on the wire: the ``filled`` ones (indices into ``ranges``),
-    neighbours merged, at most :data:`MAX_SKIP`."""
+def _skipped(ranges: list[tuple[int, int, int]], filled: list[int]
+             ) -> tuple[list[tuple[int, int]], list[int]]:
+    """The data ranges to skip on the wire, from the ``filled`` ones (indices into
+    ``ranges``), neighbours merged, at most :data:`MAX_SKIP`; and the starts of the
+    filled ranges they cover (the others are sent after all)."""
     skip: list[tuple[int, int]] = []
+    covered: list[int] = []
     last = -2
     for i in filled:
         start, end, _ = ranges[i]
@@ -762,8 +765,9 @@ def _skipped(ranges: list[tuple[int, int, int]], filled: list[int]) -> list[tupl
             skip.append((start, end))
         else:
             break
+        covered.append(start)
         last = i
-    return skip
+    return skip, covered
 
 class Server:
     """Serves PUT and GET to authenticated peers: one accept thread, one thread per
@@ -1035,9 +1039,8 @@ class Server:
                 self._try_reply(channel, {"ok": False, "error": f"bad metadata: {exc}"})
                 raise ReplicationError(f"rank {header.rank} step {header.step}: bad metadata: "
                                        f"{exc}") from None
-            skip = _skipped(verifier.ranges(), self._reuse.fill(buf, header, verifier))
-            verifier.trust(start for start, end, _ in verifier.ranges()
-                           if any(a <= start and end <= b for a, b in skip))
+            skip, covered = _skipped(verifier.ranges(), self._reuse.fill(buf, header, verifier))
+            verifier.trust(covered)
             channel.send({"ok": True, "skip": [list(r) for r in skip]} if skip else {"ok": True})
             with memoryview(buf) as whole, \
                     whole[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len] as data:

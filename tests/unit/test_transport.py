@@ -131,6 +131,21 @@ def test_a_data_parallel_push_waits_briefly_for_the_receivers_own_step(net: Net)
     assert (client.sent, client.skipped) == (0, 2 * half)
 
 
+def test_skipped_ranges_are_merged_bounded_and_checked() -> None:
+    ranges = [(0, 10, 1), (16, 30, 2), (30, 50, 3), (64, 80, 4)]
+    # neighbours merge over the padding between them, never over a range to be sent
+    assert transport._skipped(ranges, [0, 2, 3]) == ([(0, 10), (30, 80)], [0, 30, 64])
+    many = [(10 * i, 10 * i + 5, i) for i in range(2 * transport.MAX_SKIP + 10)]
+    skip, covered = transport._skipped(many, list(range(0, len(many), 2)))  # none adjacent
+    assert len(skip) == len(covered) == transport.MAX_SKIP  # the rest is sent
+    assert transport._complement([(16, 50), (64, 80)], 90) == [(0, 16), (50, 64), (80, 90)]
+    assert transport.parse_skip({"skip": [[0, 5], [5, 9]]}, 10) == [(0, 5), (5, 9)]
+    for bad in ([[5, 9], [0, 5]], [[0, 11]], [[3, 3]], [[0, "5"]], [[0, 5, 6]], {"a": 1},
+                [[0, 1]] * (transport.MAX_SKIP + 1), [[-1, 4]], [[0, True]]):
+        with pytest.raises(ReplicationError, match="invalid skip list"):
+            transport.parse_skip({"skip": bad}, 10)
+
+
 def test_repeated_pushes_alternate_the_double_buffer(net: Net) -> None:
     server = net.server()
     client = net.client(server)
