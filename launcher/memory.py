@@ -356,8 +356,17 @@ class Segment:
             self.buf: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
+        self.populated = False
+        """Whether every page is mapped for writing in this process (see :meth:`populate`)."""
         if populate:
-            _populate(self.buf)
+            self.populate()
+
+    def populate(self) -> None:
+        """Map every page for writing now (once): a process about to write the whole
+        segment saves a page fault per page (see :func:`_populate`)."""
+        if not self.populated:
+            _populate(self.view)
+            self.populated = True
 
     @property
     def path(self) -> Path:
@@ -415,23 +424,22 @@ def reserve_name(prefix: str, index: int) -> str:
     return f"{prefix}v{index}"
 
 
-def take_reserved(reserved: str, name: str, size: int) -> Segment:
-    """Turn the reserved segment ``reserved`` (at least ``size`` bytes) into the segment
-    ``name`` of ``size`` bytes (replacing any old file of that name) without allocating
-    its pages again."""
+def take_reserved(reserved: Segment, name: str, size: int) -> Segment:
+    """Turn the reserved segment ``reserved`` (mapped, its pages faulted in, at least
+    ``size`` bytes) into the segment ``name`` of ``size`` bytes, replacing any old file of
+    that name. Nothing is allocated or faulted in again: the mapping is kept (shrunk with
+    its file when larger), so the first write into it costs no page fault either."""
     where = shm_dir()
     try:
-        fd = os.open(where / reserved, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise StorageError(f"cannot open the reserved segment {reserved}: "
-                           f"{exc.strerror}") from None
-    try:
-        os.ftruncate(fd, size)  # a shorter file gives its tail pages back
-        os.rename(where / reserved, where / name)
-    except OSError as exc:
-        os.close(fd)
-        raise StorageError(f"cannot turn {reserved} into {name}: {exc.strerror}") from None
-    return Segment(name, fd, size, populate=False)
+        if reserved.size > size:
+            reserved.view.resize(size)  # the file with it; the pages kept stay mapped
+        os.rename(where / reserved.name, where / name)
+    except (OSError, ValueError, BufferError) as exc:
+        reserved.close()
+        unlink_segment(reserved.name)
+        raise StorageError(f"cannot turn {reserved.name} into {name}: {exc}") from None
+    reserved.name, reserved.size = name, size
+    return reserved
 
 
 def unlink_segment(name: str) -> None:

@@ -78,7 +78,7 @@ class SlotOwner:
         self._replicas: dict[int, list[memory.Segment | None]] = {}  # copies for peer hosts
         self._pins: dict[int, int] = {}  # rank -> the replica step no write may overwrite
         self._own_pins: dict[int, memory.Segment] = {}  # rank -> its pins (memory.PINS)
-        self._reserved: list[tuple[str, int]] = []  # (name, bytes): see reserve()
+        self._reserved: list[memory.Segment] = []  # mapped and faulted in: see reserve()
         self._reserve_names = 0  # reserved segments ever made: each gets a new name
         self._reserving = threading.Lock()
         self.copies = 1
@@ -158,8 +158,9 @@ class SlotOwner:
             self._slots.clear()
             self._replicas.clear()
             self._own_pins.clear()
-            for name, _ in self._reserved:  # they hold nothing: never kept
-                memory.unlink_segment(name)
+            for reserved in self._reserved:  # they hold nothing: never kept
+                reserved.close()
+                memory.unlink_segment(reserved.name)
             self._reserved.clear()
             if self._keep:
                 return
@@ -197,10 +198,10 @@ class SlotOwner:
                 old.close()
                 pair[i] = None
             name = memory.slot_name(self.prefix, rank, i, replica=replica)
-            reserved = next((r for r in self._reserved if r[1] >= nbytes), None)
+            reserved = next((r for r in self._reserved if r.size >= nbytes), None)
             if reserved is not None:
                 self._reserved.remove(reserved)
-                segment = memory.take_reserved(reserved[0], name, nbytes)
+                segment = memory.take_reserved(reserved, name, nbytes)
             else:
                 segment = memory.create_segment(name, nbytes)
             memory.init_header(segment.view, rank=rank, run_id=self.run_id)
@@ -214,21 +215,22 @@ class SlotOwner:
         are reserved now. Slow (page allocation): call it off the recovery path."""
         with self._reserving:
             with self._lock:
-                have = sum(1 for r in self._reserved if r[1] >= nbytes)
+                have = sum(1 for r in self._reserved if r.size >= nbytes)
             for _ in range(count - have):
                 if memory.shm_free_bytes() < 2 * nbytes:
                     break  # room stays for what the job itself needs first
                 self._reserve_names += 1
                 name = memory.reserve_name(self.prefix, self._reserve_names)
                 try:
-                    memory.create_segment(name, nbytes).close()
+                    segment = memory.create_segment(name, nbytes)
+                    segment.populate()  # this process writes it first: its pull
                 except StorageError as exc:
                     logger.info("cannot reserve shared memory ahead: %s", exc)
                     break
                 with self._lock:
-                    self._reserved.append((name, nbytes))
+                    self._reserved.append(segment)
             with self._lock:
-                return sum(1 for r in self._reserved if r[1] >= nbytes)
+                return sum(1 for r in self._reserved if r.size >= nbytes)
 
     def own_slot_bytes(self) -> int:
         """The size of this host's largest own slot (0 before any)."""
@@ -250,7 +252,8 @@ class SlotOwner:
             segment = pair[index]
             assert segment is not None
             memory.set_state(segment.view, memory.SlotState.WRITING)
-            return segment
+        segment.populate()  # the whole slot is written from here next: no fault per page
+        return segment
 
     def restore_local(self, rank: int, step: int, *, source: int | None = None) -> None:
         """Make one of ``rank``'s own slots hold committed ``step`` of rank ``source``
@@ -359,7 +362,7 @@ class SlotOwner:
                         nbytes: int) -> None:
         released = sum(seg.size for i in grow if (seg := pair[i]) is not None)
         need_now = len(grow) * nbytes - released
-        free = memory.shm_free_bytes() + sum(size for _, size in self._reserved)
+        free = memory.shm_free_bytes() + sum(r.size for r in self._reserved)
         if need_now > free:
             raise StorageError(self._too_small(nbytes, free))
 

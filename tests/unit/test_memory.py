@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import threading
 import time
 import warnings
@@ -945,6 +946,12 @@ def test_reserved_segments_become_slots_without_allocating_again() -> None:
         names = owner.allocate(0, 1 << 19)
         assert {os.stat(where / n).st_ino for n in names} <= inodes
         assert all(os.stat(where / n).st_size == 1 << 19 for n in names)
+        # still mapped with their pages in: writing a slot faults none of its 128 pages in
+        slot = owner.segments()[0][0]
+        ones = b"\x01" * slot.size
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        slot.view[:] = ones
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 64
         bigger = owner.allocate(1, 1 << 20, replica=True)
         stats = [os.stat(where / n) for n in bigger]
         assert sum(s.st_ino in inodes for s in stats) == 1  # one reserve left, one new
