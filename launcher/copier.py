@@ -28,11 +28,11 @@ META_FRAME = 256  # metadata bytes besides the tree and the tensor records (step
 
 def slot_bytes(tensors: list[tuple[str, torch.Tensor]], tree_len: int) -> int:
     """The size of a slot for ``tensors`` with a tree of ``tree_len`` bytes of JSON: the
-    aligned tensors and room for the metadata, which grows a little (values in ``extra``
-    like a list of losses)."""
+    aligned tensors and room for the metadata (a record per tensor, at most one per batch
+    of small ones), which grows a little (values in ``extra`` like a list of losses)."""
     data = sum((tensor_bytes(t) + memory.ALIGN - 1) // memory.ALIGN * memory.ALIGN
                for _, t in tensors)
-    return memory.slot_size(data, tree_len + META_FRAME + sum(len(p) + 200 for p, _ in tensors))
+    return memory.slot_size(data, tree_len + META_FRAME + sum(len(p) + 280 for p, _ in tensors))
 
 
 @dataclass
@@ -44,13 +44,13 @@ class Layout:
     data_len: int
     offsets: list[int]
     nbytes: list[int]
-    small: list[bool]  # copied in one batch, checked by the block checksum
+    small: list[bool]  # copied in batches, checked by the batches' checksums
     # The tensors' metadata JSON, in the tree's order: a string for each run of small
     # tensors (complete), a pair for a large one (split around its checksum).
     records: list[str | tuple[str, str]]
     dsts: list[torch.Tensor]  # the small tensors' places in the slot, shaped like them
-    block: tuple[int, int]  # byte range of the slot's data covering every small tensor
     groups: list[tuple[int, int, int]]  # batches of ``dsts`` copied and hashed together
+    group_ranges: list[tuple[int, int]]  # each group's bytes in the slot's data: a checksum each
     blocks: list[torch.Tensor]  # each group's bytes in the slot
     parts: list[list[torch.Tensor]]  # each group's torch.cat inputs: byte views and padding
     where: list[tuple[int, int]]  # each small tensor's (group, index in its parts)
@@ -62,7 +62,8 @@ class Layout:
 def plan_layout(segment: memory.Segment, tensors: list[tuple[str, torch.Tensor]],
                 signature: tuple[Any, ...]) -> Layout:
     """Where each of ``tensors`` goes in ``segment``: the small CPU tensors first, back to
-    back (one checksum covers exactly them, copied in batches), then the others."""
+    back (copied in batches of about ``memory.COPY_CHUNK`` bytes, one checksum per batch),
+    then the others (one checksum each)."""
     sizes = [tensor_bytes(t) for _, t in tensors]
     small = [0 < n <= memory.SMALL_TENSOR and t.device.type == "cpu"
              and t.layout == torch.strided
@@ -86,15 +87,21 @@ def plan_layout(segment: memory.Segment, tensors: list[tuple[str, torch.Tensor]]
         dsts=[torch.frombuffer(buf, dtype=t.dtype, count=t.numel(),
                                offset=memory.HEADER_SIZE + o).view(t.shape)
               for o, (_, t), f in zip(offsets, tensors, small, strict=True) if f],
-        block=(min(small_at, default=0), small_end), groups=groups,
+        groups=groups, group_ranges=[(small_at[lo], end) for lo, _, end in groups],
         blocks=[torch.frombuffer(buf, dtype=torch.uint8, count=end - small_at[lo],
                                  offset=memory.HEADER_SIZE + small_at[lo])
                 for lo, _, end in groups],
         parts=parts, where=where, ptrs=[-1] * len(small_at),
         meta_room=segment.size - memory.HEADER_SIZE - offset, records_len=0)
     layout.records_len = sum(len(r) + 1 if isinstance(r, str) else len(r[0]) + len(r[1]) + 19
-                             for r in layout.records)
+                             for r in layout.records) + sum(
+        len(block_record(start, end, 0)) + 1 for start, end in layout.group_ranges)
     return layout
+
+
+def block_record(start: int, end: int, digest: int) -> str:
+    """The metadata JSON of one batch of small tensors: its bytes and their checksum."""
+    return f'{{"offset":{start},"nbytes":{end - start},"xxh3":"{digest:016x}"}}'
 
 
 def _groups(small_at: list[int], small_end: int) -> list[tuple[int, int, int]]:
@@ -180,12 +187,13 @@ class CopyWorker:
                 done.set()
 
     def copy_all(self, buf: Any, layout: Layout, tensors: list[torch.Tensor],
-                 ready: Any = None) -> tuple[int, list[int]]:
-        """Copy every tensor to its place in the slot; return the checksum of the block of
-        small tensors and the checksums of the large ones.
+                 ready: Any = None) -> tuple[list[int], list[int]]:
+        """Copy every tensor to its place in the slot; return the checksums of the
+        batches of small tensors (``layout.group_ranges``) and of the large ones.
 
-        Small CPU tensors are copied in batches (see ``Checkpointer._layout_for``) and
-        share one checksum; other large CPU tensors go through ``copy_and_hash``. CUDA
+        Small CPU tensors are copied in batches, a checksum per batch (a batch unchanged
+        from a peer's copy is not sent again: see ``replication.transport``); other
+        large CPU tensors go through ``copy_and_hash``. CUDA
         tensors are copied by the GPU on a side stream, once the training stream reaches
         ``ready`` (the event save() recorded), into the pinned slot, while this thread
         copies the CPU tensors; they are hashed when that stream is done.
@@ -202,21 +210,20 @@ class CopyWorker:
         # negated view (its bytes are not its values), has none: torch copies them all.
         whole = all(map(torch.Tensor.is_contiguous, srcs)) and not (
             any(map(torch.Tensor.is_conj, srcs)) or any(map(torch.Tensor.is_neg, srcs)))
-        hasher = xxhash.xxh3_64()
-        done = memory.HEADER_SIZE + layout.block[0]
+        batches = []
         view = memoryview(buf)
         try:
             with torch.no_grad():
-                for group, (first, last, end) in enumerate(layout.groups):
+                for group, ((first, last, _), (start, end)) in enumerate(
+                        zip(layout.groups, layout.group_ranges, strict=True)):
                     if whole:
                         torch.cat(layout.parts[group], out=layout.blocks[group])
                     else:
                         torch._foreach_copy_(layout.dsts[first:last], srcs[first:last])
-                    hasher.update(view[done:memory.HEADER_SIZE + end])
-                    done = memory.HEADER_SIZE + end
+                    batches.append(xxhash.xxh3_64_intdigest(
+                        view[memory.HEADER_SIZE + start:memory.HEADER_SIZE + end]))
         finally:
             view.release()
-        block = hasher.intdigest()
         big = [(tensor, memory.HEADER_SIZE + start, nbytes)
                for tensor, start, nbytes, small in zip(
                    tensors, layout.offsets, layout.nbytes, layout.small, strict=True)
@@ -230,7 +237,7 @@ class CopyWorker:
                 digests = [memory.checksum(view[start:start + nbytes]) if tensor.is_cuda
                            else digest for (tensor, start, nbytes), digest in zip(
                                big, digests, strict=True)]
-        return block, digests
+        return batches, digests
 
     def _start_gpu_copies(self, buf: Any, layout: Layout, tensors: list[torch.Tensor],
                           ready: Any) -> list[Any]:

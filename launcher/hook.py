@@ -71,7 +71,14 @@ from launcher.contract import (
     ENV_SOCKET,
     ENV_SUPERVISOR_PID,
 )
-from launcher.copier import META_FRAME, CopyWorker, Layout, plan_layout, slot_bytes
+from launcher.copier import (
+    META_FRAME,
+    CopyWorker,
+    Layout,
+    block_record,
+    plan_layout,
+    slot_bytes,
+)
 from launcher.errors import CheckpointError, StorageError
 
 logger = logging.getLogger(__name__)
@@ -756,18 +763,18 @@ class Checkpointer:
         buf = layout.segment.view
         memory.set_state(buf, memory.SlotState.WRITING)
         assert self._worker is not None
-        block_digest, digests = self._worker.copy_all(buf, layout, [t for _, t in own], ready)
+        batches, digests = self._worker.copy_all(buf, layout, [t for _, t in own], ready)
         big = iter(digests)
         records = ",".join(record if isinstance(record, str)
                            else record[0] + f'"{next(big):016x}"' + record[1]
                            for record in layout.records)
-        block = {"offset": layout.block[0], "nbytes": layout.block[1] - layout.block[0],
-                 "xxh3": f"{block_digest:016x}"}
+        blocks = ",".join(block_record(start, end, digest) for (start, end), digest in zip(
+            layout.group_ranges, batches, strict=True))
         sharded = '"__dtensor__"' in tree
         replicated = self.replicated if self.replicated is not None else not sharded
         meta = (f'{{"step":{step},"replicated":{"true" if replicated else "false"},'
                 f'"sharded":{"true" if sharded else "false"},'
-                f'"tensors":[{records}],"blocks":[{json.dumps(block)}],'
+                f'"tensors":[{records}],"blocks":[{blocks}],'
                 + (f'"shared":{shared},' if shared else "") + '"tree":' + tree + "}").encode()
         self._seq += 1
         memory.write_commit(buf, step=step, seq=self._seq, rank=self.rank,

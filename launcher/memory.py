@@ -15,7 +15,8 @@ does not hold the newest committed step. A slot's layout::
     [0, 4096)                      header (fixed binary layout, see ``_HEADER``)
     [4096, 4096 + data_len)        tensor bytes, each tensor aligned to 64 bytes
     [meta_offset, + meta_len)      metadata: UTF-8 JSON (tree, per-tensor offset and size,
-                                   xxh3 of each large tensor and of the block of small ones)
+                                   xxh3 of each large tensor and of each batch of small
+                                   ones, back to back before them)
 
 The header's ``state`` field is the commit point: it is set to WRITING before any byte of
 a new step is written and to COMMITTED only after every byte, checksum and the metadata
@@ -599,9 +600,10 @@ class StreamVerifier:
         ranges: list[tuple[int, int, int, str]] = []  # start, end, xxh3, what
         block_end = 0
         for block in meta.get("blocks", []):
-            start, end = _bounds(block, data_len, "the block of small tensors")
+            what = f"the small tensors at {block.get('offset')}"
+            start, end = _bounds(block, data_len, what)
             block_end = max(block_end, end)
-            ranges.append((start, end, int(block["xxh3"], 16), "the block of small tensors"))
+            ranges.append((start, end, int(block["xxh3"], 16), what))
         for entry in meta["tensors"]:
             what = f"tensor {entry['path']}"
             start, end = _bounds(entry, data_len, what)

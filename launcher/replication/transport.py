@@ -115,7 +115,7 @@ SEND_CHUNK = 8 << 20
 RECV_LOWAT = 1 << 20
 """A receiver of data wakes up for this many bytes at a time (``SO_RCVLOWAT``), not for
 every packet: wake-ups, not copies, dominate a loopback or virtualised transfer."""
-REUSE_MIN = 1 << 20
+REUSE_MIN = 256 << 10
 """A checksummed range of a push at least this large is looked up in the receiver's memory."""
 REUSE_WAIT = 1.0
 """Seconds a receiver waits for its own ranks to commit the step a data-parallel peer pushes."""
@@ -685,7 +685,7 @@ class _HeldBytes:
         try:
             meta = memory.read_meta(segment.view, header)
             found = {(int(e["xxh3"], 16), int(e["nbytes"])): int(e["offset"])
-                     for e in meta["tensors"]
+                     for e in [*meta["tensors"], *meta.get("blocks", [])]
                      if e.get("xxh3") is not None and int(e["nbytes"]) >= REUSE_MIN}
         except (CheckpointError, ValueError, KeyError, TypeError, AttributeError):
             found = {}

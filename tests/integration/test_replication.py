@@ -148,10 +148,9 @@ def test_lost_host_resumes_from_peer_memory(tmp_path: Path, nodes: int, nproc: i
     Before the kill, each host's shared memory holds 2 x m x its state, no more. With two
     workers per host, their replicated state is split between their slots (one copy per
     host), and the replacement restores each rank from both of its ranks' pulled slots.
-    With one worker per host, large tensors (over the 4 MiB of the block of small ones):
-    every host holds the same parameters and optimizer state, so replication sends
-    little of them (the receivers copy what they hold)."""
-    train = ("--replicated",) if nproc > 1 else ("--width", "1100", "--depth", "1")
+    With one worker per host, every host holds the same parameters and optimizer state,
+    so replication sends little of them (the receivers copy what they hold)."""
+    train = ("--replicated",) if nproc > 1 else ("--width", "512")
     reference = _reference(tmp_path, nproc * nodes, *train)
     plans = _run_and_replace(tmp_path, nodes, [1], "--replicate-every", str(every),
                              "--replicas", str(replicas), nproc=nproc, train=train,

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 from memory_support import _model, _save_two_steps, _train, run_id, supervisor
 
 from launcher import codec, contract, copier, hook, memory, prefetch, rng
@@ -665,6 +666,34 @@ def test_saves_follow_tensors_that_move(supervisor: SlotServer) -> None:
         assert torch.equal(state["model"]["weight"], weight), step
         assert torch.equal(state["extra"]["t"], extra["t"]), step
     ckpt.close()
+
+
+def test_small_tensors_are_checksummed_batch_by_batch(supervisor: SlotServer) -> None:
+    """The small tensors lie back to back in batches of about ``COPY_CHUNK`` bytes, one
+    checksum each (a batch unchanged on a peer host is not sent to it again): the
+    batches cover them exactly, and a flipped byte is found in its own batch."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])  # 8 x 256 KiB
+    ckpt = hook.Checkpointer(model=model)
+    ckpt.restore()
+    ckpt.save(0)
+    ckpt.close()
+    info = next(i for i in memory.iter_slots(supervisor.owner.prefix) if i.valid_step == 0)
+    assert info.meta is not None and info.header is not None
+    blocks = info.meta["blocks"]
+    assert len(blocks) >= 3, blocks
+    ends = [b["offset"] + b["nbytes"] for b in blocks]
+    assert blocks[0]["offset"] == 0 and [b["offset"] for b in blocks[1:]] == ends[:-1]
+    assert ends[-1] >= max(t["offset"] + t["nbytes"] for t in info.meta["tensors"])
+    segment = memory.attach_segment(info.name)
+    try:
+        data = segment.view[memory.HEADER_SIZE:memory.HEADER_SIZE + info.header.data_len]
+        assert all(int(b["xxh3"], 16) == xxhash.xxh3_64_intdigest(
+            data[b["offset"]:b["offset"] + b["nbytes"]]) for b in blocks)
+        segment.view[memory.HEADER_SIZE + blocks[1]["offset"] + 3] ^= 0x01
+    finally:
+        segment.close()
+    assert (f"checksum mismatch in the small tensors at {blocks[1]['offset']}"
+            in (memory.inspect_slot(info.name).error or ""))
 
 
 def test_large_tensors_are_copied_and_hashed_in_chunks(supervisor: SlotServer,
