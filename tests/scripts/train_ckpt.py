@@ -38,6 +38,9 @@ p.add_argument("--grad-sync", choices=["ddp", "params"], default="ddp",
 p.add_argument("--replicated", action="store_true",
                help="tell the Checkpointer that every rank holds the same state (with "
                "--grad-sync params, which it cannot see)")
+p.add_argument("--private-mb", type=int, default=0,
+               help="also checkpoint this many MiB of random bytes that differ for every "
+               "rank and step, in extra: state no peer holds, so replication must send it")
 p.add_argument("--report-slots", action="store_true",
                help="rank 0 prints the bytes of the last step in the host's own slots "
                "(every rank's) and the bytes of one model and optimizer state")
@@ -61,6 +64,8 @@ model = torch.nn.parallel.DistributedDataParallel(net) if ddp else net
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7)
 extra = {"scheduler": sched, "progress": {"samples": 0}}
+if args.private_mb:
+    extra["private"] = torch.zeros(args.private_mb << 18)
 ckpt = Checkpointer(model=model, optimizer=opt, extra=extra,
                     replicated=True if args.replicated else None)
 start = ckpt.restore()
@@ -112,6 +117,9 @@ for step in range(start, args.steps):
     opt.step()
     sched.step()
     extra["progress"]["samples"] += 16
+    if args.private_mb:
+        extra["private"].copy_(torch.rand(args.private_mb << 18,
+                                          generator=torch.Generator().manual_seed(step * 7919 + rank)))
     if copy_kill_steps:
         arm(step)
     ckpt.save(step)
