@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -203,6 +204,7 @@ def _run(job: dict[str, Any], niced: int) -> None:
     this_file = __file__
     if niced:
         os.nice(-niced)  # back to the priority of a worker
+    _set_group_nice(0)  # as a fresh session's, where torchrun starts workers
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
@@ -301,16 +303,71 @@ WARM_MODULES = ("torch", "torch._dynamo", "torch.optim", "torch.distributed",
                 "torch.nn.parallel", "launcher.hook", "launcher.prefetch")
 
 
+STANDBY_NICE = 10
+"""The niceness a standby imports at: training keeps the CPU it needs (a GPU host has
+cores to spare, and its standbys are ready in seconds either way)."""
+
+
 def _renice_step() -> int:
-    """How much a standby may lower its priority while it imports: 5, if it can raise it
-    back afterwards (root, or RLIMIT_NICE allows), else 0, so that its worker never runs
-    at a lower priority than torchrun's would."""
+    """How much a standby may lower its thread's priority while it imports:
+    :data:`STANDBY_NICE` if it can raise it back afterwards (root, or RLIMIT_NICE allows),
+    else 0, so that its worker never runs at a lower priority than torchrun's would."""
     import resource
 
     limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
     if os.geteuid() == 0 or limit == resource.RLIM_INFINITY:
-        return 5
-    return 5 if os.getpriority(os.PRIO_PROCESS, 0) >= 20 - limit else 0  # 20 - limit: lowest
+        return STANDBY_NICE
+    lowest = 20 - limit  # the lowest niceness this process may set
+    return STANDBY_NICE if os.getpriority(os.PRIO_PROCESS, 0) + STANDBY_NICE >= lowest else 0
+
+
+_group_nice: dict[str, Any] = {"want": 0, "retrying": False}  # this session's niceness
+_group_nice_lock = threading.Lock()
+
+
+def _write_group_nice(nice: int) -> bool | None:
+    """True when set; False when the kernel asks to retry later; None without autogroups."""
+    try:
+        fd = os.open("/proc/self/autogroup", os.O_WRONLY)
+    except OSError:
+        return None
+    try:
+        os.write(fd, str(nice).encode())
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _set_group_nice(nice: int) -> None:
+    """Give this process's session the scheduler niceness ``nice``, best-effort: now, or
+    from a thread that retries (the newest request wins).
+
+    With autogroups (Linux's default outside a cgroup), each session is scheduled as one
+    group against the others, and a thread's niceness only orders it within its own
+    session: a standby, a session of its own like every torchrun worker, would import at
+    a full share next to the workers whatever its thread's niceness. Any user may raise
+    a session's niceness and bring it back to 0; without CAP_SYS_ADMIN the kernel takes
+    one change per 100 ms from anyone (EAGAIN)."""
+    with _group_nice_lock:
+        _group_nice["want"] = nice
+        if _group_nice["retrying"] or _write_group_nice(nice) is not False:
+            return  # done, impossible, or the retrying thread writes the newest
+        _group_nice["retrying"] = True
+
+    def retry() -> None:
+        for _ in range(100):
+            time.sleep(0.02 + 0.08 * random.random())
+            with _group_nice_lock:
+                if _write_group_nice(_group_nice["want"]) is not False:
+                    break
+        with _group_nice_lock:
+            _group_nice["retrying"] = False
+
+    threading.Thread(target=retry, name="gemini-group-nice", daemon=True).start()
 
 
 def main() -> None:
@@ -321,6 +378,7 @@ def main() -> None:
     niced = _renice_step()
     if niced:
         os.nice(niced)  # import while training runs, without slowing it much
+    _set_group_nice(STANDBY_NICE)
     job_fd = int(sys.argv[1])
     for module in WARM_MODULES:
         if select.select([job_fd], [], [], 0)[0]:

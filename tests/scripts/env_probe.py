@@ -22,6 +22,9 @@ main = {
     "package": repr(__package__),
     "main_is_this_module": sys.modules["__main__"].__dict__ is globals(),
     "nice": os.getpriority(os.PRIO_PROCESS, 0),
+    # the session's niceness, where sessions are scheduled as groups (autogroups)
+    "group_nice": (open("/proc/self/autogroup").read().split()[-1]
+                   if os.path.exists("/proc/self/autogroup") else None),
     "cwd": os.getcwd(),
     "stdin": [os.fstat(0).st_dev, os.fstat(0).st_ino],
     # what ps, pgrep -f and pkill -f match (NUL- or space-separated, as setproctitle does)
