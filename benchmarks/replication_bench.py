@@ -18,11 +18,12 @@ gloo over loopback). Printed, side by side with their baselines:
    restore plan is made), worker start + restore (until the first rank printed that it
    resumed) and the first step after it, which add up to the total; and the transfer
    (the new host pulls its ranks, begun by a hot spare as soon as it learns of the loss,
-   ended while the workers start: it overlaps the other phases); with a hot spare, a
-   replacement started at the loss, no spare (the survivors shrink the job; with FSDP2
-   they reshard it), the persistent
-   tier, and side by side torchrun restoring with torch.load from a torch.save written
-   every step to local disk. About 250 MiB of state per host and a batch of 16 tokens;
+   ended while the workers start: it overlaps the other phases); with a hot spare (the
+   host is lost once the spare says it is ready: slots reserved, standby workers with
+   torch imported), a replacement started at the loss, no spare (the survivors shrink
+   the job; with FSDP2 they reshard it), the persistent tier, and side by side
+   torchrun restoring with torch.load from a torch.save written every step to local
+   disk. About 250 MiB of state per host and a batch of 16 tokens;
    each step then sleeps 0.5 s, standing in for GPU compute that leaves the host's CPU
    free;
 4. the time from a host kill until every surviving supervisor knows, with 2, 4 and 8
@@ -61,7 +62,6 @@ MODEL = ["--n-embd", "384", "--n-layer", "4", "--n-head", "6", "--batch-size", "
 GEMINI = [sys.executable, "-m", "gemini_cli", "run"]
 IDLE = 0.5  # seconds each host-loss step sleeps: GPU time, during which the CPU is free
 DEVICE_TIME = 0.2  # seconds of stand-in GPU time per step in part 2's second setting
-STANDBY_READY = 5.0  # seconds a spare waits before the kill: its standbys import torch
 
 
 class Host:
@@ -254,7 +254,6 @@ def _lose_one(variant: Variant, nodes: int, hosts: dict[str, Host], host: Any, r
     if variant.spare:
         hosts["new"] = host("new", nodes)
         _wait_for_spare(etcd.url, run_id, deadline)
-        time.sleep(STANDBY_READY)
     before = hosts[rank0]
     faulted = _fault(variant, nodes, hosts, host, victim)
     survivors = [name for name in hosts if name not in (victim, "new")]
@@ -357,9 +356,9 @@ def _wait_for_spare(etcd_url: str, run_id: str, deadline: float) -> None:
 
     store = open_store(etcd_url)
     try:
-        while read_status(store, run_id).spares != ["new"]:
+        while read_status(store, run_id).ready_spares != ["new"]:  # slots, standbys ready
             if time.monotonic() > deadline:
-                raise RuntimeError("the spare did not register")
+                raise RuntimeError("the spare did not get ready")
             time.sleep(0.1)
     finally:
         store.close()

@@ -64,7 +64,10 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
                       _ranks(h.get("ranks", [])), str(h.get("round", "")),
                       str(h.get("restart_count", 0)), f"{now - h.get('heartbeat', now):.0f} s ago")
     console.print(hosts)
-    console.print(_recoverable(status.get("replication"), status.get("spares") or []))
+    ready = set(status.get("ready_spares") or [])
+    console.print(_recoverable(status.get("replication"),
+                               [f"{h} ({'ready' if h in ready else 'warming up'})"
+                                for h in status.get("spares") or []]))
     ranks = Table(title="newest step per rank and tier")
     for column in ("rank", "host", "memory", "peer replicas", "lag", "persisted"):
         ranks.add_column(column)

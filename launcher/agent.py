@@ -288,7 +288,9 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
                 services.insert(0, heartbeat)  # closes first: no pings of leaving hosts
         events.add_sink(coordination.record_event)
         if config.standby:
-            services.append(StandbyService(launch_config.nproc_per_node, entry_args))
+            standbys = StandbyService(launch_config.nproc_per_node, entry_args)
+            services.append(standbys)
+            coordination.standby_ready = standbys.ready
     except BaseException:
         for service in services:
             service.close()

@@ -112,6 +112,8 @@ class CoordinationService:
         the peers hold (per rank, ``(replication address, step)``, best first): see
         :meth:`_prepare_takeover`."""
         self._taken_over: set[str] = set()
+        self.standby_ready: Callable[[], bool] | None = None
+        """Whether this host's standby workers wait with torch imported (None: none kept)."""
         self.on_lost: Callable[[], None] | None = None
         """Called (from a background thread) whenever a host is found lost."""
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
@@ -121,6 +123,7 @@ class CoordinationService:
         self._stop = threading.Event()
         self._wake = threading.Event()  # publish the record now, not at the next beat
         self._reserving: threading.Thread | None = None  # see _reserve_ahead
+        self._reserved_for = 0  # the slot size the last finished reservation was for
         self._lease: Lease = store.grant_lease(ttl)
         self._keeper: KeepAlive = store.keep_alive(self._lease)
         self._register()
@@ -423,6 +426,7 @@ class CoordinationService:
                 self.store.put(self.prefix + f"hosts/{self.host_id}", record)
                 if waiting:
                     self._reserve_ahead()
+                    self._record_readiness()
                 self._publish_steps()
                 self._flush()
                 self._campaign()
@@ -439,12 +443,29 @@ class CoordinationService:
         nbytes = max((int(record.get("slot_bytes") or 0)
                       for value in self.store.get_prefix(self.prefix + "hosts/").values()
                       if (record := _parse_record(value)).get("state") == "running"), default=0)
-        if nbytes <= 0:
+        if nbytes <= 0 or nbytes == self._reserved_for:  # done for this size
             return
-        self._reserving = threading.Thread(
-            target=self.owner.reserve, args=(2 * self.owner.local_world_size, nbytes),
-            name="gemini-reserve", daemon=True)
+
+        def reserve() -> None:
+            self.owner.reserve(2 * self.owner.local_world_size, nbytes)
+            self._reserved_for = nbytes  # done (when short of memory: as far as it could)
+            self._wake.set()  # publish the readiness now
+
+        self._reserving = threading.Thread(target=reserve, name="gemini-reserve", daemon=True)
         self._reserving.start()
+
+    def _record_readiness(self) -> None:
+        """A waiting host is ``ready`` (hot) once its slots are reserved for the running
+        hosts' slot size and its standby workers have torch imported; ``gemini status``
+        shows it, and a spare that is not ready yet takes over more slowly."""
+        reserving = self._reserving is not None and self._reserving.is_alive()
+        standbys = self.standby_ready is None or self.standby_ready()
+        ready = bool(self._reserved_for) and not reserving and standbys
+        with self._lock:
+            changed = self._record.get("ready") != ready
+            self._record["ready"] = ready
+        if changed:
+            self._wake.set()
 
     def _publish_steps(self) -> None:
         persisted = self.persist_status() if self.persist_status is not None else {}
@@ -537,10 +558,16 @@ class RunStatus:
         first round)."""
         return [h["host"] for h in self.hosts if h["status"] == "waiting"]
 
+    @property
+    def ready_spares(self) -> list[str]:
+        """The :attr:`spares` that are hot: slots reserved, standby workers ready."""
+        return [h["host"] for h in self.hosts if h["status"] == "waiting" and h.get("ready")]
+
     def as_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "root": self.root, "hosts": self.hosts,
                 "ranks": {str(k): v for k, v in sorted(self.ranks.items())},
-                "spares": self.spares, "replication": self.replication,
+                "spares": self.spares, "ready_spares": self.ready_spares,
+                "replication": self.replication,
                 "events": self.events}
 
 

@@ -40,35 +40,64 @@ class StandbyPool:
         self.size = size
         self.padding = " " * title_room  # its own arguments before it are spare room
         self._idle: list[subprocess.Popen[bytes]] = []
+        self._ready: dict[int, int] = {}  # pid -> the pipe on which it says it is ready
         self._lock = threading.Lock()
         self._closed = False
 
-    def fill(self) -> None:
-        """Start standbys until ``size`` are idle (they import torch in the background)."""
+    def fill(self, polite: bool = False) -> None:
+        """Start standbys until ``size`` are idle (they import torch in the background;
+        ``polite``: at a lower priority, for while this host's workers train)."""
         with self._lock:
+            for gone in [p for p in self._idle if p.poll() is not None]:
+                self._forget(gone.pid)
             self._idle = [p for p in self._idle if p.poll() is None]
             while not self._closed and len(self._idle) < self.size:
                 # The job comes through a pipe of its own: the worker keeps this
                 # process's stdin, as torchrun's workers do (a breakpoint() can read it).
                 job_in, job_out = os.pipe()
+                ready_in, ready_out = os.pipe()
                 try:
                     proc = subprocess.Popen(
                         [sys.executable, "-u", "-m", "launcher.standby", str(job_in),
-                         self.padding],
-                        pass_fds=(job_in,), start_new_session=True)
+                         "polite" if polite else "-", str(ready_out), self.padding],
+                        pass_fds=(job_in, ready_out), start_new_session=True)
                 except BaseException:
                     os.close(job_out)
+                    os.close(ready_in)
                     raise
                 finally:
                     os.close(job_in)
+                    os.close(ready_out)
+                os.set_blocking(ready_in, False)
                 proc.stdin = os.fdopen(job_out, "wb")  # what activate() writes the job to
                 self._idle.append(proc)
+                self._ready[proc.pid] = ready_in
+
+    def ready(self) -> bool:
+        """Whether ``size`` standbys wait with torch imported."""
+        with self._lock:
+            for proc in self._idle:
+                fd = self._ready.get(proc.pid)
+                if fd is not None and proc.poll() is None:
+                    try:
+                        if os.read(fd, 1):
+                            self._forget(proc.pid)
+                    except BlockingIOError:
+                        pass
+            return len([p for p in self._idle if p.poll() is None and p.pid not in self._ready]
+                       ) >= self.size
+
+    def _forget(self, pid: int) -> None:
+        fd = self._ready.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
 
     def take(self) -> subprocess.Popen[bytes] | None:
         """An idle, living standby, or None."""
         with self._lock:
             while self._idle:
                 proc = self._idle.pop(0)
+                self._forget(proc.pid)
                 if proc.poll() is None:
                     return proc
             return None
@@ -78,6 +107,8 @@ class StandbyPool:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            for proc in idle:
+                self._forget(proc.pid)
         for proc in idle:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -94,11 +125,11 @@ class StandbyService:
     host's place at once) and its first workers run in standbys and die with it; and
     again from ``REFILL_DELAY`` seconds after each start of workers."""
 
-    #: Seconds after workers start before new standbys start importing torch: sooner, they
-    #: take the cores from the workers' own start and their first steps after a restore
-    #: (which also fault in the restored state and warm the allocator and the process
-    #: group). A failure before then restarts cold, or waits for a standby still importing.
-    REFILL_DELAY = 10.0
+    #: Seconds after workers start before new standbys start importing torch, at a lower
+    #: priority (``polite``) as long as the workers run: sooner, they take some CPU from
+    #: the workers' own start. A failure before they are ready restarts cold, or waits for
+    #: a standby still importing (at the workers' priority from then on).
+    REFILL_DELAY = 2.0
 
     def __init__(self, local_world_size: int, command: list[str] | tuple[str, ...] = ()
                  ) -> None:
@@ -128,7 +159,11 @@ class StandbyService:
         # waiting (OOM killer, a stray signal) is replaced at once, not at the next
         # restart, which would otherwise start a cold process.
         if self.enabled and self._refill_at is not None and time.monotonic() >= self._refill_at:
-            self.pool.fill()
+            self.pool.fill(polite=True)
+
+    def ready(self) -> bool:
+        """Whether a standby per local rank waits with torch imported."""
+        return not self.enabled or self.pool.ready()
 
     def close(self) -> None:
         self.pool.close()
@@ -196,15 +231,12 @@ def install(pool: StandbyPool) -> bool:
 
 # -- the standby process -------------------------------------------------------------------
 
-def _run(job: dict[str, Any], niced: int) -> None:
+def _run(job: dict[str, Any]) -> None:
     """Become the worker ``job`` describes: its environment, directory and command
     (``python -u ARGV...``), run as ``python`` itself would run it."""
     import runpy
 
     this_file = __file__
-    if niced:
-        os.nice(-niced)  # back to the priority of a worker
-    _set_group_nice(0)  # as a fresh session's, where torchrun starts workers
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])
@@ -308,6 +340,28 @@ STANDBY_NICE = 10
 cores to spare, and its standbys are ready in seconds either way)."""
 
 
+def _be_polite(job_fd: int) -> None:
+    """Import at :data:`STANDBY_NICE`, thread and session, and return to a worker's
+    priority as soon as the job arrives on ``job_fd`` (from a thread: an import in
+    progress finishes at the worker's priority)."""
+    import select
+
+    main = threading.get_native_id()
+    base = os.getpriority(os.PRIO_PROCESS, main)
+    niced = _renice_step()
+    if niced:
+        os.setpriority(os.PRIO_PROCESS, main, base + niced)
+    _set_group_nice(STANDBY_NICE)
+
+    def wake() -> None:
+        select.select([job_fd], [], [])  # the job, or the end of the pipe
+        if niced:
+            os.setpriority(os.PRIO_PROCESS, main, base)
+        _set_group_nice(0)  # as a fresh session's: where torchrun starts its workers
+
+    threading.Thread(target=wake, name="gemini-standby-wake", daemon=True).start()
+
+
 def _renice_step() -> int:
     """How much a standby may lower its thread's priority while it imports:
     :data:`STANDBY_NICE` if it can raise it back afterwards (root, or RLIMIT_NICE allows),
@@ -375,11 +429,9 @@ def main() -> None:
     import select
 
     die_with_parent()
-    niced = _renice_step()
-    if niced:
-        os.nice(niced)  # import while training runs, without slowing it much
-    _set_group_nice(STANDBY_NICE)
     job_fd = int(sys.argv[1])
+    if sys.argv[2:3] == ["polite"]:  # this host's workers train: import without slowing them
+        _be_polite(job_fd)
     for module in WARM_MODULES:
         if select.select([job_fd], [], [], 0)[0]:
             # The job is here already (the first start of a run, when the standby was
@@ -390,11 +442,17 @@ def main() -> None:
         except Exception:  # a warm-up only: the worker will import what it needs itself
             logger.debug("standby could not pre-import %s", module, exc_info=True)
 
+    if len(sys.argv) > 3 and sys.argv[3].isdigit():  # tell the supervisor: ready
+        try:
+            os.write(int(sys.argv[3]), b"r")
+            os.close(int(sys.argv[3]))
+        except OSError:
+            pass
     with os.fdopen(job_fd, "rb") as jobs:
         line = jobs.readline()
     if not line:
         return  # the supervisor closed the pool, or died
-    _run(json.loads(line), niced)
+    _run(json.loads(line))
 
 
 if __name__ == "__main__":

@@ -278,15 +278,21 @@ def test_spares_wait_without_disturbing_the_group(tmp_path: Path) -> None:
     test_standby_host_takes_the_lost_slot)."""
     spares = 2
     def status(etcd: EtcdServer, hosts: list[Host]) -> None:
-        done = run([*GEMINI, "status", "--json", "--store", etcd.url, "--run-id", "repl"],
-                   env=env_with(tmp_path), timeout=60)
-        assert done.returncode == 0, done.output
-        found = json.loads(done.stdout)
+        def read() -> dict:
+            done = run([*GEMINI, "status", "--json", "--store", etcd.url, "--run-id", "repl"],
+                       env=env_with(tmp_path), timeout=60)
+            assert done.returncode == 0, done.output
+            return json.loads(done.stdout)
+
+        found = read()
         assert sorted(found["spares"]) == [f"new{i}" for i in range(spares)], found["hosts"]
         assert found["replication"]["sstar"] >= 0, found["replication"]
+        # hot once their slots are reserved (these run without standby workers)
+        wait_for(lambda: len(read()["ready_spares"]) == spares, 30, "the spares to be ready",
+                 hosts)
         table = run([*GEMINI, "status", "--store", etcd.url, "--run-id", "repl"],
                     env=env_with(tmp_path), timeout=60)
-        assert "host-loss recovery step s*:" in table.stdout and "new0" in table.stdout
+        assert "host-loss recovery step s*:" in table.stdout and "new0 (ready)" in table.stdout
 
     plans = _run_and_replace(tmp_path, 2, [1], nproc=1, spares=spares, probe=status)
     found = events(tmp_path / "runs")

@@ -228,39 +228,83 @@ def _standbys(supervisor: int, workers: set[int]) -> set[int]:
     return found
 
 
+def _group_nice(pid: int) -> str | None:
+    """The niceness of ``pid``'s session where Linux schedules sessions as groups."""
+    group = Path(f"/proc/{pid}/autogroup")
+    return group.read_text().split()[-1] if group.exists() else None
+
+
 def test_a_standby_that_dies_is_replaced_at_once(tmp_path: Path) -> None:
-    """A waiting standby, at a lower priority than workers, killed mid-run is replaced
-    then, not at the next restart."""
-    proc = start([*GEMINI, "run", "--nproc-per-node", "1", str(SCRIPTS / "idle.py"), "30"],
-                 env=env_with(tmp_path))
+    """A waiting standby killed mid-run is replaced then, not at the next restart. While
+    the workers run, a standby imports at a lower priority, its session's too; the worker
+    it becomes runs at a worker's."""
+    proc = start([*GEMINI, "run", "--nproc-per-node", "1", "--max-restarts", "1",
+                  str(SCRIPTS / "idle.py"), "30"], env=env_with(tmp_path))
     try:
         deadline = time.monotonic() + 60
+
+        def started(count: int) -> set[int]:
+            """The workers of the ``count``-th start."""
+            while time.monotonic() < deadline:
+                starts = [e for e in events(tmp_path / "runs") if e["event"] == "start"]
+                if len(starts) >= count:
+                    return {int(w["pid"]) for w in starts[count - 1]["workers"]}
+                time.sleep(0.1)
+            raise AssertionError(f"no start number {count}")
+
+        workers = started(1)
         standbys: set[int] = set()
         while not standbys and time.monotonic() < deadline:
-            starts = [e for e in events(tmp_path / "runs") if e["event"] == "start"]
-            if starts:
-                workers = {int(w["pid"]) for w in starts[-1]["workers"]}
-                standbys = _standbys(proc.pid, workers)
             time.sleep(0.1)
+            standbys = _standbys(proc.pid, workers)
         assert len(standbys) == 1, "no standby waiting"
-        standby = standbys.pop()
-        group = Path(f"/proc/{standby}/autogroup")
-        if group.exists():  # it imports on the CPU time training leaves: its session too
-            while group.read_text().split()[-1] == "0" and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert group.read_text().split()[-1] == "10"
-        os.kill(standby, signal.SIGKILL)
+        os.kill(standbys.pop(), signal.SIGKILL)
         replaced: set[int] = set()
         while not replaced and time.monotonic() < deadline:
             time.sleep(0.1)
             replaced = _standbys(proc.pid, workers)
         assert len(replaced) == 1, "the standby was not replaced"
         assert proc.poll() is None  # the job itself carried on
+        standby = replaced.pop()
+        while _group_nice(standby) == "0" and time.monotonic() < deadline:
+            time.sleep(0.05)  # it lowers its session's priority as it starts
+        assert _group_nice(standby) in ("10", None)
+        if os.geteuid() == 0:  # else its thread stays at 0: it could not come back
+            assert psutil.Process(standby).nice() == 10
+        os.kill(workers.pop(), signal.SIGKILL)  # the restart's worker runs in the standby
+        assert started(2) == {standby}
+        while (_group_nice(standby) not in ("0", None) or psutil.Process(standby).nice()
+               ) and time.monotonic() < deadline:
+            time.sleep(0.01)  # set as its job arrives, by a thread of its own
+        assert _group_nice(standby) in ("0", None) and psutil.Process(standby).nice() == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 128 + signal.SIGTERM
     finally:
         kill_tree(proc.pid)
         proc.communicate(timeout=30)
+
+
+def test_a_standby_says_when_it_is_ready() -> None:
+    """A pool is ready once its standbys have torch imported (a spare's readiness)."""
+    from launcher.standby import StandbyPool
+
+    pool = StandbyPool(1)
+    try:
+        pool.fill()
+        assert not pool.ready()  # importing torch takes seconds
+        deadline = time.monotonic() + 120
+        while not pool.ready() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.ready()
+        taken = pool.take()
+        assert taken is not None and not pool.ready()  # none left
+    finally:
+        pool.close()
+    if taken is not None:
+        taken.kill()
+        taken.wait()
+        assert taken.stdin is not None
+        taken.stdin.close()
 
 
 def test_static_two_nodes_end_quietly(tmp_path: Path) -> None:
