@@ -16,6 +16,7 @@ This module is also the standby's entry point: ``python -u -m launcher.standby J
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -371,8 +372,8 @@ def _renice_step() -> int:
     limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
     if os.geteuid() == 0 or limit == resource.RLIM_INFINITY:
         return STANDBY_NICE
-    lowest = 20 - limit  # the lowest niceness this process may set
-    return STANDBY_NICE if os.getpriority(os.PRIO_PROCESS, 0) + STANDBY_NICE >= lowest else 0
+    lowest = 20 - limit  # the lowest niceness this process may set: can it come back?
+    return STANDBY_NICE if os.getpriority(os.PRIO_PROCESS, 0) >= lowest else 0
 
 
 _group_nice: dict[str, Any] = {"want": 0, "retrying": False}  # this session's niceness
@@ -443,11 +444,11 @@ def main() -> None:
             logger.debug("standby could not pre-import %s", module, exc_info=True)
 
     if len(sys.argv) > 3 and sys.argv[3].isdigit():  # tell the supervisor: ready
-        try:
-            os.write(int(sys.argv[3]), b"r")
-            os.close(int(sys.argv[3]))
-        except OSError:
-            pass
+        ready = int(sys.argv[3])
+        with contextlib.suppress(OSError):
+            os.write(ready, b"r")
+        with contextlib.suppress(OSError):
+            os.close(ready)  # the worker it becomes must not inherit it
     with os.fdopen(job_fd, "rb") as jobs:
         line = jobs.readline()
     if not line:
