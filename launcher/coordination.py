@@ -137,6 +137,8 @@ class CoordinationService:
         with self._lock:
             self._record.update(ranks=[w.global_rank for w in group.workers], state="running",
                                 group_rank=group.group_rank, round=self._record["round"] + 1)
+            self._record.pop("ready", None)
+        self._reserved_for = 0  # its ranks take the reserved slots: reserve again if it waits
         self._wake.set()  # peers ping a host once its record says it runs
 
     def after_start(self, group: WorkerGroup) -> None:
