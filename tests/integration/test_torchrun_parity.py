@@ -289,6 +289,7 @@ def test_a_standby_says_when_it_is_ready() -> None:
     from launcher.standby import StandbyPool
 
     pool = StandbyPool(1)
+    taken = None
     try:
         pool.fill()
         assert not pool.ready()  # importing torch takes seconds
