@@ -108,12 +108,13 @@ def _events(run_root: Path) -> list[dict[str, object]]:
 # -- 2. training slowdown -------------------------------------------------------------------
 
 def step_ms(mode: list[str], steps: int, device_time: float = 0.0
-            ) -> tuple[float, float, float]:
+            ) -> tuple[float, float, float, float]:
     """Median step time of rank 0 with two one-worker hosts on a c10d rendezvous, the
     share of the steps due for replication that reached the peer (pushes coalesce to the
-    newest step when replication falls behind), and the longest time rank 0's loop was
+    newest step when replication falls behind), the longest time rank 0's loop was
     blocked in gemini's calls in one step (``save()`` and the wait for a copy before the
-    optimizer step; the example's ``max_stall_ms``)."""
+    optimizer step; the example's ``max_stall_ms``), and the share of rank 0's saves
+    skipped because both its slots held steps replication keeps."""
     with tempfile.TemporaryDirectory() as tmp, _shm() as shm:
         port = _free_port()
         env = dict(os.environ, GEMINI_RUN_ROOT=f"{tmp}/runs", PYTHONWARNINGS="ignore")
@@ -130,14 +131,14 @@ def step_ms(mode: list[str], steps: int, device_time: float = 0.0
             host.wait(timeout=900)
         text = "\n".join(h.output() for h in hosts)
         match = re.search(r"median_step_ms=([\d.]+)", text)
-        stall = re.search(r"max_stall_ms=([\d.]+)", text)
+        stall = re.search(r"max_stall_ms=([\d.]+) saves_skipped=(\d+)", text)
         if not match or not stall:
             raise RuntimeError(text[-3000:])
         pushes = sum(int(e.get("pushes", 0)) for e in _events(Path(tmp, "runs"))  # type: ignore[call-overload]
                      if e["event"] == "replication_done")
         every = int(mode[mode.index("--replicate-every") + 1]) if "--replicate-every" in mode else 1
         return (float(match.group(1)), pushes / (len(hosts) * (steps // every)),
-                float(stall.group(1)))
+                float(stall.group(1)), int(stall.group(2)) / steps)
 
 
 def _shm() -> tempfile.TemporaryDirectory[str]:
@@ -385,13 +386,15 @@ def slowdown(args: argparse.Namespace) -> Iterator[list[str]]:
         (name, setting): [] for setting in settings for name in modes}
     shares: dict[tuple[str, str], list[float]] = {key: [] for key in times}
     stalls: dict[tuple[str, str], list[float]] = {key: [] for key in times}
+    skips: dict[tuple[str, str], list[float]] = {key: [] for key in times}
     for _ in range(args.repeat):
         for setting, device_time in settings.items():
             for name, mode in modes.items():  # interleaved: drift hits every mode alike
-                ms, share, stall = step_ms(mode, args.steps, device_time)
+                ms, share, stall, skipped = step_ms(mode, args.steps, device_time)
                 times[name, setting].append(ms)
                 shares[name, setting].append(share)
                 stalls[name, setting].append(stall)
+                skips[name, setting].append(skipped)
     rows = []
     for name in modes:
         row: list[object] = [name]
@@ -399,17 +402,22 @@ def slowdown(args: argparse.Namespace) -> Iterator[list[str]]:
             base = statistics.median(times["replication off (--replicas 1)", setting])
             ours = statistics.median(times[name, setting])
             share = statistics.median(shares[name, setting])
+            replicated = "--replicas 2" in " ".join(modes[name])
             row += [f"{ours:.1f} ms", f"{100 * (ours / base - 1):+.1f}%",
-                    f"{100 * share:.0f}%" if "--replicas 2" in " ".join(modes[name]) else "-",
-                    f"{max(stalls[name, setting]):.1f} ms"]
+                    f"{100 * share:.0f}%" if replicated else "-",
+                    f"{100 * statistics.median(skips[name, setting]):.0f}%" if replicated
+                    else "-", f"{max(stalls[name, setting]):.1f} ms"]
         rows.append(row)
     header = ["replication"]
     for setting in settings:
-        header += [f"step, {setting}", "vs off", "steps replicated", "longest stall"]
+        header += [f"step, {setting}", "vs off", "steps replicated", "saves skipped",
+                   "longest stall"]
     yield [f"2. training step while replicating (example GPT, {' '.join(MODEL)}; 2 hosts x "
            f"1 worker; CPU-bound: both cores train; device time: each step also waits "
-           f"{DEVICE_TIME} s with the CPU free, as for a GPU; longest stall: the most "
-           f"rank 0's loop was blocked in gemini's calls in one step, over all runs)", "",
+           f"{DEVICE_TIME} s with the CPU free, as for a GPU; saves skipped: rank 0's saves "
+           f"that found both slots holding steps replication keeps (a worker crash then "
+           f"resumes one step further back); longest stall: the most rank 0's loop was "
+           f"blocked in gemini's calls in one step, over all runs)", "",
            table(header, rows), ""]
 
 

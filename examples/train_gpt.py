@@ -330,7 +330,7 @@ def main() -> None:
               f"first_step_ms={1e3 * step_times[0] if step_times else 0:.1f}", flush=True)
         if stalls and (args.torch_save or not args.no_checkpoint):
             print(f"checkpoint stall per step: median_stall_ms={median_ms(stalls):.3f} "
-                  f"max_stall_ms={1e3 * max(stalls):.3f}", flush=True)
+                  f"max_stall_ms={1e3 * max(stalls):.3f} saves_skipped={ckpt.skipped}", flush=True)
         if args.alternate_saves > 0:
             print(f"median_saving_ms={median_ms(by_saving[True]):.3f} "
                   f"median_plain_ms={median_ms(by_saving[False]):.3f}", flush=True)

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 
 MARGIN_SECONDS = 0.25
 """How far in the future a target is placed: time for every host to read the plan."""
-MIN_MARGIN, MAX_MARGIN = 2, 256
+MIN_MARGIN, MAX_MARGIN = 1, 256
 MAX_EVERY = 1 << 20
 
 
