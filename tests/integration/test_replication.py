@@ -369,6 +369,44 @@ def test_without_a_spare_the_job_shrinks_then_grows_back(tmp_path: Path) -> None
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
+def test_ddp_state_shared_by_local_ranks_shrinks_onto_the_survivor(tmp_path: Path) -> None:
+    """``--nnodes 1:2``, two hosts of two workers whose ranks keep one copy of the
+    replicated state between them (each rank's slot holds its share and points to the
+    other rank's for the rest): the host in node slot 1 is killed and the survivor goes on
+    at once as a world of 2, each new rank assembling the old rank's whole state from both
+    of its host's slots. The result equals a reference that changed its world size at the
+    same step (two plain torchrun runs chained through a file)."""
+    hosts: list[Host] = []
+    by = time.monotonic() + RUN_BUDGET
+    with EtcdServer() as etcd:
+        argv = [*GEMINI, "run", "--nnodes", "1:2", "--nproc-per-node", "2",
+                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                "--rdzv-id", "shrink-shared", "--rdzv-conf", "last_call_timeout=1",
+                "--store", etcd.url, "--max-restarts", "3", "--replication-addr", "127.0.0.1",
+                "--no-standby", *TRAIN, "--replicated", "--report-slots", "--steps", str(STEPS),
+                "--sleep", "0.1", "--out", str(tmp_path / "out.pt")]
+        try:
+            rank0, victim = _kill_node_one(tmp_path, argv, 2, r"^step 12 ", hosts, by)
+            wait_for(lambda: rank0.proc.poll() is not None, 300, "the survivor to finish",
+                     hosts, by)
+            assert rank0.proc.returncode == 0, rank0.output()[-4000:]
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    plans = [e for e in events(tmp_path / "runs") if e["event"] == "restore_plan"
+             and e.get("world_size") == 2]
+    assert len(plans) == 1 and plans[0]["from_world_size"] == 4, plans
+    assert set(plans[0]["sources"].values()) <= {"memory"}, plans
+    shrunk = plans[0]["step"]
+    assert isinstance(shrunk, int) and shrunk >= 8, plans
+    held = re.search(r"^slots bytes=(\d+) state=(\d+)$", rank0.output(), re.M)
+    assert held, rank0.output()[-3000:]
+    found, state = map(int, held.groups())
+    assert state <= found < 1.1 * state + 2 * (16 << 10), (found, state)  # one copy, not 2
+    reference = _chained_reference(tmp_path, [(4, shrunk), (2, STEPS - 1)])
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
 def _kill_node_one(tmp: Path, argv: list[str], count: int, step: str, hosts: list[Host],
                    by: float) -> tuple[Host, Host]:
     """Start ``count`` hosts (appended to ``hosts``); once the host in node slot 0 printed
