@@ -383,10 +383,10 @@ def test_ddp_state_shared_by_local_ranks_shrinks_onto_the_survivor(tmp_path: Pat
                 "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
                 "--rdzv-id", "shrink-shared", "--rdzv-conf", "last_call_timeout=1",
                 "--store", etcd.url, "--max-restarts", "3", "--replication-addr", "127.0.0.1",
-                "--no-standby", *TRAIN, "--replicated", "--report-slots", "--steps", str(STEPS),
-                "--sleep", "0.1", "--out", str(tmp_path / "out.pt")]
+                "--no-standby", *TRAIN, "--replicated", "--report-slots", "--steps", "30",
+                "--sleep", "0.05", "--out", str(tmp_path / "out.pt")]
         try:
-            rank0, victim = _kill_node_one(tmp_path, argv, 2, r"^step 12 ", hosts, by)
+            rank0, victim = _kill_node_one(tmp_path, argv, 2, r"^step 10 ", hosts, by)
             wait_for(lambda: rank0.proc.poll() is not None, 300, "the survivor to finish",
                      hosts, by)
             assert rank0.proc.returncode == 0, rank0.output()[-4000:]
@@ -398,12 +398,12 @@ def test_ddp_state_shared_by_local_ranks_shrinks_onto_the_survivor(tmp_path: Pat
     assert len(plans) == 1 and plans[0]["from_world_size"] == 4, plans
     assert set(plans[0]["sources"].values()) <= {"memory"}, plans
     shrunk = plans[0]["step"]
-    assert isinstance(shrunk, int) and shrunk >= 8, plans
+    assert isinstance(shrunk, int) and shrunk >= 6, plans
     held = re.search(r"^slots bytes=(\d+) state=(\d+)$", rank0.output(), re.M)
     assert held, rank0.output()[-3000:]
     found, state = map(int, held.groups())
     assert state <= found < 1.1 * state + 2 * (16 << 10), (found, state)  # one copy, not 2
-    reference = _chained_reference(tmp_path, [(4, shrunk), (2, STEPS - 1)])
+    reference = _chained_reference(tmp_path, [(4, shrunk), (2, 29)])
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
