@@ -376,35 +376,44 @@ def test_ddp_state_shared_by_local_ranks_shrinks_onto_the_survivor(tmp_path: Pat
     at once as a world of 2, each new rank assembling the old rank's whole state from both
     of its host's slots. The result equals a reference that changed its world size at the
     same step (two plain torchrun runs chained through a file)."""
-    hosts: list[Host] = []
-    by = time.monotonic() + RUN_BUDGET
-    with EtcdServer() as etcd:
-        argv = [*GEMINI, "run", "--nnodes", "1:2", "--nproc-per-node", "2",
-                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
-                "--rdzv-id", "shrink-shared", "--rdzv-conf", "last_call_timeout=1",
-                "--store", etcd.url, "--max-restarts", "3", "--replication-addr", "127.0.0.1",
-                "--no-standby", *TRAIN, "--replicated", "--report-slots", "--steps", "30",
-                "--sleep", "0.05", "--out", str(tmp_path / "out.pt")]
-        try:
-            rank0, victim = _kill_node_one(tmp_path, argv, 2, r"^step 10 ", hosts, by)
-            wait_for(lambda: rank0.proc.poll() is not None, 300, "the survivor to finish",
-                     hosts, by)
-            assert rank0.proc.returncode == 0, rank0.output()[-4000:]
-        finally:
-            for host in hosts:
-                kill_group(host.proc)
-    plans = [e for e in events(tmp_path / "runs") if e["event"] == "restore_plan"
-             and e.get("world_size") == 2]
-    assert len(plans) == 1 and plans[0]["from_world_size"] == 4, plans
-    assert set(plans[0]["sources"].values()) <= {"memory"}, plans
-    shrunk = plans[0]["step"]
-    assert isinstance(shrunk, int) and shrunk >= 6, plans
+    rank0, plan = _shrink_two_by_two(tmp_path, r"^step 10 ", *TRAIN, "--replicated",
+                                     "--report-slots", "--steps", "30", "--sleep", "0.05",
+                                     "--out", str(tmp_path / "out.pt"))
+    assert set(plan["sources"].values()) <= {"memory"}, plan  # type: ignore[union-attr]
+    shrunk = plan["step"]
+    assert isinstance(shrunk, int) and shrunk >= 6, plan
     held = re.search(r"^slots bytes=(\d+) state=(\d+)$", rank0.output(), re.M)
     assert held, rank0.output()[-3000:]
     found, state = map(int, held.groups())
     assert state <= found < 1.1 * state + 2 * (16 << 10), (found, state)  # one copy, not 2
     reference = _chained_reference(tmp_path, [(4, shrunk), (2, 29)])
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def _shrink_two_by_two(tmp: Path, step: str, *script: str) -> tuple[Host, dict]:
+    """``--nnodes 1:2``, two hosts of two workers running ``script``: once rank 0 printed a
+    line matching ``step``, kill the host in node slot 1; the survivor must go on alone
+    and finish. Returns the survivor and its one restore plan, for a world of 2 from 4."""
+    hosts: list[Host] = []
+    by = time.monotonic() + RUN_BUDGET
+    with EtcdServer() as etcd:
+        argv = [*GEMINI, "run", "--nnodes", "1:2", "--nproc-per-node", "2",
+                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                "--rdzv-id", "shrink", "--rdzv-conf", "last_call_timeout=1",
+                "--store", etcd.url, "--max-restarts", "3", "--replication-addr", "127.0.0.1",
+                "--no-standby", *script]
+        try:
+            rank0, _ = _kill_node_one(tmp, argv, 2, step, hosts, by)
+            wait_for(lambda: rank0.proc.poll() is not None, 300, "the survivor to finish",
+                     hosts, by)
+            assert rank0.proc.returncode == 0, rank0.output()[-4000:]
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    plans = [e for e in events(tmp / "runs") if e["event"] == "restore_plan"
+             and e.get("world_size") == 2]
+    assert len(plans) == 1 and plans[0]["from_world_size"] == 4, plans
+    return rank0, plans[0]
 
 
 def _kill_node_one(tmp: Path, argv: list[str], count: int, step: str, hosts: list[Host],
@@ -443,30 +452,12 @@ def test_an_fsdp2_job_without_a_spare_reshards_onto_the_survivors(tmp_path: Path
     (two in its own slots, two in the replicas it kept of the lost host): the full state
     right after the restore equals, bit for bit, the full state the world of 4 saved at
     that step, and the job finishes."""
-    hosts: list[Host] = []
-    by = time.monotonic() + RUN_BUDGET
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    with EtcdServer() as etcd:
-        argv = [*GEMINI, "run", "--nnodes", "1:2", "--nproc-per-node", "2",
-                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
-                "--rdzv-id", "reshard", "--rdzv-conf", "last_call_timeout=1",
-                "--store", etcd.url, "--max-restarts", "3", "--replication-addr", "127.0.0.1",
-                "--no-standby", str(SCRIPTS / "train_fsdp.py"), "--steps", "40",
-                "--sleep", "0.1", "--dump", str(dumps)]
-        try:
-            rank0, victim = _kill_node_one(tmp_path, argv, 2, r"^step 12$", hosts, by)
-            wait_for(lambda: rank0.proc.poll() is not None, 300, "the survivor to finish",
-                     hosts, by)
-            assert rank0.proc.returncode == 0, rank0.output()[-4000:]
-        finally:
-            for host in hosts:
-                kill_group(host.proc)
-    plans = [e for e in events(tmp_path / "runs") if e["event"] == "restore_plan"
-             and e.get("world_size") == 2]
-    assert len(plans) == 1 and plans[0]["from_world_size"] == 4, plans
-    step = plans[0]["step"]
-    assert step is not None and step >= 8, plans
+    rank0, plan = _shrink_two_by_two(tmp_path, r"^step 12$", str(SCRIPTS / "train_fsdp.py"),
+                                     "--steps", "40", "--sleep", "0.1", "--dump", str(dumps))
+    step = plan["step"]
+    assert step is not None and step >= 8, plan
     assert "each rank assembles its shard" in rank0.output()
     restored = torch.load(dumps / f"restored-2-{step}.pt")
     saved = torch.load(dumps / f"saved-4-{step}.pt")
