@@ -25,8 +25,10 @@ Replication moves in lock step, one *target* at a time, all hosts on the same st
 one replication takes. A new target is planned as soon as the last one is agreed, so
 targets are about k + margin steps apart, and s* is never more than about 2k + margin
 steps behind the newest step (k + margin while the next target is trained towards, k
-while it is replicated); with a fixed N, targets are multiples of N, and the bound is
-about 3N + margin. Every function
+while it is replicated). The margin is at least k (by default): while a target is
+replicated its worker's saves are skipped (both slots are pinned), so that happens to at
+most about half of the saves, and the bound is about 3k. With a fixed N, targets are
+multiples of N, and the bound is about 3N + margin. Every function
 here is pure: the replication service reads and writes the store and the slots.
 """
 
@@ -164,7 +166,10 @@ def advance(plan: Plan, dones: Mapping[int, Done], *, nodes: int, newest: int,
     if len(steps) == 1 and min(steps) >= 0:
         sstar = steps.pop()
         every = every_for(seconds, interval, fixed_every)
-        margin = margin_for(interval)
+        # At least k steps between a step's s* and the next target: a replication keeps
+        # both of a worker's slots (skipping its saves) for at most half of them.
+        margin = margin_for(interval) if fixed_every else min(
+            MAX_MARGIN, max(margin_for(interval), every))
     else:  # a miss: try again further ahead
         sstar, every = plan.sstar, plan.every
         margin = min(MAX_MARGIN, plan.margin * 2)

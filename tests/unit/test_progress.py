@@ -67,6 +67,13 @@ def test_slow_replication_spaces_the_targets() -> None:
     nxt = progress.advance(plan, {0: done(2, 2, seconds=1.2), 1: done(2, 2, seconds=2.0)},
                            nodes=2, newest=9, interval=0.25, fixed_every=0)
     assert nxt is not None and nxt.sstar == 2 and nxt.every == 8 and nxt.target == 9 + nxt.margin
+    assert nxt.margin == 8  # at least k: replication pins both slots for half the saves at most
+    fast = progress.advance(plan, {0: done(2, 2, seconds=0.1), 1: done(2, 2, seconds=0.2)},
+                            nodes=2, newest=9, interval=0.5, fixed_every=0)
+    assert fast is not None and (fast.every, fast.margin, fast.target) == (1, 1, 10)
+    fixed = progress.advance(plan, {0: done(2, 2, seconds=2.0), 1: done(2, 2, seconds=2.0)},
+                             nodes=2, newest=9, interval=0.25, fixed_every=4)
+    assert fixed is not None and fixed.margin == progress.MIN_MARGIN and fixed.target == 12
 
 
 def test_records_survive_the_store_and_garbage_is_none() -> None:
