@@ -25,9 +25,9 @@ Replication moves in lock step, one *target* at a time, all hosts on the same st
 one replication takes. A new target is planned as soon as the last one is agreed, so
 targets are about k + margin steps apart, and s* is never more than about 2k + margin
 steps behind the newest step (k + margin while the next target is trained towards, k
-while it is replicated). The margin is at least k (by default): while a target is
-replicated its worker's saves are skipped (both slots are pinned), so that happens to at
-most about half of the saves, and the bound is about 3k. With a fixed N, targets are
+while it is replicated). The margin is at least k (by default): a save that comes while
+a target is replicated is skipped (both of its worker's slots are pinned), so that happens
+to at most about half of the saves, and the bound is about 3k. With a fixed N, targets are
 multiples of N, and the bound is about 3N + margin. Every function
 here is pure: the replication service reads and writes the store and the slots.
 """
