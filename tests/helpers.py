@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -141,3 +142,14 @@ def events(run_root: Path) -> list[dict[str, object]]:
     for path in sorted(run_root.glob(f"*/{EVENTS_FILE}")):
         found.extend(read_events(path.parent))
     return found
+
+
+def assert_one_copy(outputs: list[str], nproc: int) -> None:
+    """Each run's host slots held one copy of the state (train scripts' --report-slots),
+    plus each rank's random states and small values, and alignment: not one per rank
+    (``nproc`` ranks on the host)."""
+    for output in outputs:
+        found = re.search(r"^slots bytes=(\d+) state=(\d+)$", output, re.M)
+        assert found, output[-3000:]
+        held, state = map(int, found.groups())
+        assert state <= held < 1.1 * state + nproc * (16 << 10), (held, state)

@@ -34,6 +34,7 @@ def test_a_round_starts_without_sstar_and_a_target_ahead_of_the_restored_step() 
     plan = progress.first_plan("r1", newest=40, interval=0.1, fixed_every=0)
     assert plan.sstar == -1 and plan.target == 40 + plan.margin and plan.every == 1
     assert progress.first_plan("r1", newest=1, interval=None, fixed_every=3).target == 3
+    assert progress.first_plan("r1", newest=-1, interval=None, fixed_every=3).target == 0
 
 
 def test_sstar_moves_once_every_node_replicated_the_same_step() -> None:
