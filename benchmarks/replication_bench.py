@@ -67,10 +67,10 @@ DEVICE_TIME = 0.2  # seconds of stand-in GPU time per step in part 2's second se
 class Host:
     """One `gemini run` whose output lines are time-stamped as they arrive."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str | None = None) -> None:
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, env=env, start_new_session=True)
+                                     text=True, env=env, start_new_session=True, cwd=cwd)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

@@ -38,7 +38,7 @@ def fill(store: Store, run_id: str, hosts: int, ranks_per_host: int) -> None:
         ranks = list(range(h * ranks_per_host, (h + 1) * ranks_per_host))
         store.put(prefix + f"hosts/{name}", json.dumps(
             {"host": name, "pid": 1000 + h, "started": now, "state": "running", "ranks": ranks,
-             "round": 3, "restart_count": 2, "heartbeat": now, "group_rank": h}).encode())
+             "round": 3, "restart_count": 2, "updated": now, "group_rank": h}).encode())
         store.put(prefix + f"alive/{name}", b"1")
         for rank in ranks:
             store.put(prefix + f"ranks/{rank}", json.dumps(

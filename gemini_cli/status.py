@@ -55,14 +55,14 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
     console.print(f"run [bold]{status['run_id']}[/]  root: {status['root'] or '-'}  "
                   f"store: {url}")
     hosts = Table(title="hosts")
-    for column in ("host", "status", "pid", "ranks", "round", "restarts", "heartbeat"):
+    for column in ("host", "status", "pid", "ranks", "round", "restarts", "changed"):
         hosts.add_column(column)
     for h in status["hosts"]:
         colour = {"alive": "green", "waiting": "yellow", "lost": "red"}.get(h["status"], "dim")
         hosts.add_row(h["host"] + (" (root)" if h["host"] == status["root"] else ""),
                       f"[{colour}]{h['status']}[/]", str(h.get("pid", "")),
                       _ranks(h.get("ranks", [])), str(h.get("round", "")),
-                      str(h.get("restart_count", 0)), f"{now - h.get('heartbeat', now):.0f} s ago")
+                      str(h.get("restart_count", 0)), f"{now - h.get('updated', now):.0f} s ago")
     console.print(hosts)
     ready = set(status.get("ready_spares") or [])
     console.print(_recoverable(status.get("replication"),

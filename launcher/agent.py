@@ -273,8 +273,9 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
         services.append(coordination)
         memory = _memory_service(config, launch_config, owner, events, store)
         services.append(memory)
-        services.append(HealthService(owner.prefix, launch_config.nproc_per_node,
-                                      hang_timeout=config.hang_timeout, events=events))
+        health = HealthService(owner.prefix, launch_config.nproc_per_node,
+                               hang_timeout=config.hang_timeout, events=events)
+        services.append(health)
         if memory.persist is not None:
             coordination.persist_status = memory.persist.status
         if memory.replication is not None:
@@ -288,7 +289,8 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
                 services.insert(0, heartbeat)  # closes first: no pings of leaving hosts
         events.add_sink(coordination.record_event)
         if config.standby:
-            standbys = StandbyService(launch_config.nproc_per_node, entry_args)
+            standbys = StandbyService(launch_config.nproc_per_node, entry_args,
+                                      progressed=health.progressed)
             services.append(standbys)
             coordination.standby_ready = standbys.ready
     except BaseException:
@@ -343,9 +345,11 @@ def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
             services=host.services,
             lost_hosts=host.coordination.lost_hosts,
             declare_dead=host.coordination.declare_dead,
+            report_failure=host.coordination.report_failure,
             forget=lambda: host.owner.discard_newer_than(-1),
         )
         host.coordination.on_lost = agent.wake
+        host.coordination.on_failed = agent.member_failed
         host.events.write("launch", run_id=launch_config.run_id, nnodes=config.nnodes,
                           nproc_per_node=launch_config.nproc_per_node,
                           rdzv_backend=launch_config.rdzv_backend,

@@ -4,15 +4,19 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
 
     root                    host id of the root supervisor (bound to its lease: an election)
     alive/<host>            "1", bound to the host's lease: gone within the TTL of its death
-    hosts/<host>            JSON record: pid, lease, ranks, round, restart count, last
-                            heartbeat, state ("waiting" until the host's first round: a
+    hosts/<host>            JSON record: pid, lease, ranks, round, restart count, when it
+                            last changed, state ("waiting" until the host's first round: a
                             spare; "running"; "exited"), and where its replication server
-                            listens and its rendezvous node (``describe``)
+                            listens and its rendezvous node (``describe``); written when
+                            it changes, never on a timer (liveness is ``alive/``)
     replication/plan        JSON: the replication round's globally restorable step s*, its
                             next target, k and the lag (``launcher.replication.progress``)
     replication/done/<node> JSON: the newest target node ``node`` has replicated
     ranks/<rank>            JSON: the host holding the rank and its newest step per tier
     replicas/<rank>/<host>  JSON: the newest step of ``rank`` that ``host`` keeps a replica of
+    failed/<host>           JSON: the rendezvous round in which ``host``'s workers failed
+                            and it restarts them (bound to its lease): every member of
+                            that round restarts at once (``report_failure``)
     suspects/<host>/<by>    "1", bound to ``by``'s lease: ``by`` gets no heartbeat answer
                             from ``host`` (``launcher.heartbeat``; a majority makes it lost)
     events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...);
@@ -30,8 +34,11 @@ nothing listens any longer where that supervisor's replication server was: the p
 is gone, its machine is up) revokes the dead host's lease (:meth:`declare_dead`): every
 host learns of the loss through its watch at once, without waiting out the TTL. A host
 that stops answering heartbeats (frozen, powered off, cut off: no connection is ever
-refused) is lost once a majority of the running hosts suspect it (:meth:`suspect`, fed by
-``launcher.heartbeat``), and its lease is revoked the same way.
+refused) is lost once a majority of the hosts that watch it suspect it (:meth:`suspect`,
+fed by ``launcher.heartbeat``; each running host is watched by the :data:`FANOUT` hosts
+before it in the ring of running hosts, :func:`watchers`), and its lease is revoked the
+same way. What every host knows of the others (who is alive, their records) comes through
+watches of the store, so that no host reads a prefix that grows with the job on a timer.
 Store outages never stop training: writes are queued and retried by
 the heartbeat thread, and a lease that expired meanwhile is replaced and every key bound
 to it published again.
@@ -67,10 +74,33 @@ ROOT = "gemini/runs/"
 #: Agent events mirrored into the store (the full log stays in the run directory).
 STORE_EVENTS = frozenset({"launch", "worker_exit", "hang", "restart", "exit", "host_lost",
                           "host_dead", "host_unresponsive", "root_elected", "restore_plan", "no_restart",
-                          "round_retry"})
+                          "round_retry", "member_failed"})
 #: Seconds a probe of a peer's replication port may take: refused is proof that the
 #: peer's supervisor is gone; no answer proves nothing (its lease decides).
 PROBE_TIMEOUT = 0.5
+
+
+#: How many hosts watch each running host (ping it, and vote when it falls silent): its
+#: predecessors in the ring of running hosts ordered by id. Three watchers tolerate one
+#: with a bad link (a majority is two); the messages and threads per host stay the same
+#: however many hosts the job has.
+FANOUT = 3
+
+
+def watched_by(host: str, hosts: Iterable[str], fanout: int = FANOUT) -> list[str]:
+    """The hosts that ``host`` watches: the ``fanout`` after it in the ring of ``hosts``
+    (and ``host``) ordered by id; fewer when there are fewer others."""
+    ring = sorted({*hosts, host})
+    at = ring.index(host)
+    return [ring[(at + k) % len(ring)] for k in range(1, min(fanout, len(ring) - 1) + 1)]
+
+
+def watchers(host: str, hosts: Iterable[str], fanout: int = FANOUT) -> list[str]:
+    """The hosts that watch ``host``: the ``fanout`` before it in the ring of ``hosts``
+    (and ``host``) ordered by id, those whose :func:`watched_by` names it."""
+    ring = sorted({*hosts, host})
+    at = ring.index(host)
+    return [ring[(at - k) % len(ring)] for k in range(1, min(fanout, len(ring) - 1) + 1)]
 
 
 #: Events kept in the store per run (the root deletes older ones); ``gemini status``
@@ -100,8 +130,12 @@ class CoordinationService:
         self.is_root = False
         self._record: dict[str, Any] = {
             "host": host_id, "pid": os.getpid(), "started": time.time(), "state": "waiting",
-            "ranks": [], "round": 0, "restart_count": 0, "heartbeat": time.time(),
+            "ranks": [], "round": 0, "restart_count": 0, "updated": time.time(),
         }
+        self._put_content: dict[str, Any] | None = None  # the record as last put
+        self._view: dict[str, dict[str, Any]] = {}  # host -> record, as watched
+        self._view_alive: set[str] = set()  # hosts whose alive key is there, as watched
+        self._viewed: set[str] = set()  # keys a watch delivered before the first read
         self._published: dict[str, Any] = {}
         self._lost: set[str] = set()
         self._lost_nodes: dict[str, str] = {}  # lost host -> its rendezvous node
@@ -116,9 +150,13 @@ class CoordinationService:
         """Whether this host's standby workers wait with torch imported (None: none kept)."""
         self.on_lost: Callable[[], None] | None = None
         """Called (from a background thread) whenever a host is found lost."""
+        self.on_failed: Callable[[str, int], None] | None = None
+        """Called (from a background thread) with a host and the rendezvous round in which
+        its workers failed, when it says so (:meth:`report_failure`)."""
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._probing = threading.Lock()
+        self._putting = threading.Lock()  # see _put_record
         self._campaigning = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()  # publish the record now, not at the next beat
@@ -128,6 +166,9 @@ class CoordinationService:
         self._keeper: KeepAlive = store.keep_alive(self._lease)
         self._register()
         self._watch: Watch = store.watch_prefix(self.prefix + "alive/", self._on_alive)
+        self._records: Watch = store.watch_prefix(self.prefix + "hosts/", self._on_record)
+        self._failures: Watch = store.watch_prefix(self.prefix + "failed/", self._on_failed)
+        self._read_view()
         self._thread = threading.Thread(target=self._heartbeat, name="gemini-coordination",
                                         daemon=True)
         self._thread.start()
@@ -156,8 +197,50 @@ class CoordinationService:
         dead."""
         with self._lock:
             self._record.update(fields)
-            record = _dump(self._record)
-        self.store.put(self.prefix + f"hosts/{self.host_id}", record)
+        self._put_record()
+
+    @property
+    def running(self) -> bool:
+        """Whether this host is in a round (not waiting as a spare, not exited)."""
+        with self._lock:
+            return bool(self._record["state"] == "running")
+
+    def _put_record(self, force: bool = False) -> None:
+        """Put this host's record if it changed since it was last put (or ``force``); one
+        writer at a time, so that an older record never lands after a newer one."""
+        with self._putting:
+            with self._lock:
+                content = {k: v for k, v in self._record.items() if k != "updated"}
+                if content == self._put_content and not force:
+                    return
+                self._record["updated"] = time.time()
+                record = _dump(self._record)
+            self.store.put(self.prefix + f"hosts/{self.host_id}", record)
+            self._put_content = content
+
+    # -- what this host knows of the others, through its watches ------------------------
+    def _read_view(self) -> None:
+        """Fill the view once, after the watches started: a key that a watch delivered
+        meanwhile is newer than what this read found."""
+        alive = self.store.get_prefix(self.prefix + "alive/")
+        found = self.store.get_prefix(self.prefix + "hosts/")
+        with self._lock:
+            for key in alive:
+                if key not in self._viewed:
+                    self._view_alive.add(key.rsplit("/", 1)[-1])
+            for key, value in found.items():
+                if key not in self._viewed:
+                    self._view[key.rsplit("/", 1)[-1]] = _parse_record(value)
+            self._viewed = set()
+
+    def _on_record(self, key: str, value: bytes | None) -> None:
+        host = key.rsplit("/", 1)[-1]
+        with self._lock:
+            self._viewed.add(key)
+            if value is None:
+                self._view.pop(host, None)
+            else:
+                self._view[host] = _parse_record(value)
 
     def declare_dead(self, hosts: Iterable[str]) -> dict[str, str]:
         """Of ``hosts``, those whose supervisor is certainly gone (nothing listens where
@@ -193,39 +276,46 @@ class CoordinationService:
             dead[host] = f"its supervisor no longer listens at {address}"
         return dead
 
-    def _running(self) -> dict[str, dict[str, Any]]:
-        """The records of the live hosts in a round (this one included), not lost."""
-        alive = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(self.prefix + "alive/")}
-        found = self.store.get_prefix(self.prefix + "hosts/")
+    def _running(self, *, fresh: bool = False) -> dict[str, dict[str, Any]]:
+        """The records of the live hosts in a round (this one included), not lost: as
+        the watches delivered them, or read from the store now (``fresh``)."""
         lost = self.lost_hosts()
-        return {host: record for key, value in found.items()
-                if (host := key.rsplit("/", 1)[-1]) in alive and host not in lost
-                and (record := _parse_record(value)).get("state") == "running"}
+        if fresh:
+            alive = {k.rsplit("/", 1)[-1] for k in self.store.get_prefix(self.prefix + "alive/")}
+            records = {key.rsplit("/", 1)[-1]: _parse_record(value) for key, value
+                       in self.store.get_prefix(self.prefix + "hosts/").items()}
+        else:
+            with self._lock:
+                alive, records = set(self._view_alive), dict(self._view)
+        return {host: record for host, record in records.items()
+                if host in alive and host not in lost and record.get("state") == "running"}
 
-    def running_peers(self) -> dict[str, tuple[str, int]]:
-        """The other live hosts in a round, not lost, with their replication address."""
+    def running_peers(self, *, fresh: bool = False) -> dict[str, tuple[str, int]]:
+        """The other live hosts in a round, not lost, with their replication address (as
+        the watches delivered them, or read from the store now: ``fresh``)."""
         return {host: (str(address[0]), int(address[1]))
-                for host, record in self._running().items()
+                for host, record in self._running(fresh=fresh).items()
                 if host != self.host_id and isinstance(address := record.get("replication"), list)
                 and len(address) == 2}
 
     def suspect(self, host: str, suspected: bool = True) -> int | None:
         """Vote that ``host``'s supervisor stopped answering heartbeats, or withdraw the
-        vote. A suspect is lost once a majority of the other running hosts vote so (one
-        slow or cut-off observer never removes a healthy host): the vote that completes
-        the majority revokes its lease, so that every host learns at once, and returns
-        the number of votes; otherwise None."""
+        vote. A suspect is lost once a majority of the hosts that watch it
+        (:func:`watchers`) vote so (one slow or cut-off observer never removes a healthy
+        host): the vote that completes the majority revokes its lease, so that every
+        host learns at once, and returns the number of votes; otherwise None."""
         votes_prefix = self.prefix + f"suspects/{host}/"
         if not suspected:
             self.store.delete(votes_prefix + self.host_id)
             return None
         self.store.put(votes_prefix + self.host_id, b"1", lease=self._lease)
-        running = self._running()
-        record = running.pop(host, None)  # the others are the voters
+        running = self._running(fresh=True)  # a vote is rare: the store's view, not ours
+        record = running.get(host)
         if record is None or not isinstance(record.get("lease"), int):
             return None  # exited, or already lost
-        votes = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(votes_prefix)} & set(running)
-        if len(votes) < len(running) // 2 + 1:
+        voters = set(watchers(host, running))
+        votes = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(votes_prefix)} & voters
+        if len(votes) < len(voters) // 2 + 1:
             return None
         self._declare_lost(host, record)
         for voter in votes:
@@ -271,8 +361,8 @@ class CoordinationService:
         newer step when one completed meanwhile), then of the newest step each peer
         published (published every few seconds: it may be gone by now)."""
         prefix = self.prefix + "replicas/"
-        try:
-            peers = self.running_peers()
+        try:  # read now: the watch of the records may not have delivered the latest yet
+            peers = self.running_peers(fresh=True)
             found = self.store.get_prefix(prefix)
             sstar = _parse_record(self.store.get(self.prefix + "replication/plan")).get("sstar")
         except StoreError as exc:
@@ -301,10 +391,11 @@ class CoordinationService:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=self.ttl)
-        self._watch.cancel()
+        for watch in (self._watch, self._records, self._failures):
+            watch.cancel()
         self._keeper.stop()
         with self._lock:
-            self._record.update(state="exited", heartbeat=time.time())
+            self._record.update(state="exited")
         if self.store.unreachable_within(0):  # each write would wait out its deadline
             logger.warning("the coordination store is unreachable: this host's record stays "
                            "as it was, and its lease expires")
@@ -313,7 +404,7 @@ class CoordinationService:
         try:
             self._publish_steps()
             self._flush()
-            self.store.put(self.prefix + f"hosts/{self.host_id}", _dump(self._record))
+            self._put_record()
             self._lease.revoke()
             self._forget_secret()
         except StoreError as exc:
@@ -344,7 +435,7 @@ class CoordinationService:
         with self._lock:
             self._record["lease"] = self._lease.id
         self.store.put(self.prefix + f"alive/{self.host_id}", b"1", lease=self._lease)
-        self.store.put(self.prefix + f"hosts/{self.host_id}", _dump(self._record))
+        self._put_record(force=True)
         self._campaign()
 
     def _campaign(self) -> None:
@@ -357,6 +448,12 @@ class CoordinationService:
 
     def _on_alive(self, key: str, value: bytes | None) -> None:
         host = key.rsplit("/", 1)[-1]
+        with self._lock:
+            self._viewed.add(key)
+            if value is None:
+                self._view_alive.discard(host)
+            else:
+                self._view_alive.add(host)
         if host == self.host_id:
             return
         if value is not None:
@@ -399,6 +496,28 @@ class CoordinationService:
         if self.is_root:
             self.record_event("host_lost", {"lost": host})
 
+    def report_failure(self, round_number: int) -> None:
+        """Tell every host, through its watch, that this host's workers failed in
+        rendezvous round ``round_number`` and that it restarts them: the members of that
+        round restart theirs at once, rather than when their collectives with the failed
+        workers time out. In the background (never blocks the agent; during a store outage
+        the others learn from torch's rendezvous, or their workers' errors)."""
+        def put() -> None:
+            try:
+                self.store.put(self.prefix + f"failed/{self.host_id}",
+                               _dump({"round": round_number}), lease=self._lease)
+            except StoreError as exc:
+                logger.warning("cannot tell the other hosts that this host's workers "
+                               "failed: %s", exc)
+
+        threading.Thread(target=put, name="gemini-report-failure", daemon=True).start()
+
+    def _on_failed(self, key: str, value: bytes | None) -> None:
+        host = key.rsplit("/", 1)[-1]
+        number = _parse_record(value).get("round")
+        if host != self.host_id and isinstance(number, int) and self.on_failed is not None:
+            self.on_failed(host, number)
+
     def lost_hosts(self) -> frozenset[str]:
         """Hosts whose lease expired without an exit, and that have not registered again."""
         with self._lock:
@@ -420,12 +539,10 @@ class CoordinationService:
                     self._register()
                 slot_bytes = self.owner.own_slot_bytes()
                 with self._lock:
-                    self._record["heartbeat"] = time.time()
                     if slot_bytes:
                         self._record["slot_bytes"] = slot_bytes
                     waiting = self._record["state"] == "waiting"
-                    record = _dump(self._record)
-                self.store.put(self.prefix + f"hosts/{self.host_id}", record)
+                self._put_record()
                 if waiting:
                     self._reserve_ahead()
                     self._record_readiness()
@@ -443,8 +560,7 @@ class CoordinationService:
         if self._reserving is not None and self._reserving.is_alive():
             return
         nbytes = max((int(record.get("slot_bytes") or 0)
-                      for value in self.store.get_prefix(self.prefix + "hosts/").values()
-                      if (record := _parse_record(value)).get("state") == "running"), default=0)
+                      for record in self._running().values()), default=0)
         if nbytes <= 0 or nbytes == self._reserved_for:  # done for this size
             return
 

@@ -5,8 +5,10 @@
 * a fresh worker TCP store every rendezvous round, so restarted gloo workers never read
   the previous round's addresses (torchrun reuses one store: pytorch/pytorch#135712);
 * stable node slots with a dynamic rendezvous (``launcher.rendezvous.assign_slots``);
-* spares that wait while the group is full, restarts without members confirmed lost, and
-  fencing of a host the job went on without (the decisions are in ``launcher.rounds``);
+* spares that wait while the group is full, restarts without members confirmed lost, a
+  restart of every host as soon as one host's workers fail (it says so through the
+  store), and fencing of a host the job went on without (the decisions are in
+  ``launcher.rounds``);
 * JSON-lines events (rendezvous, start, worker exit, restart, stop, exit);
 * extension points (:class:`SupervisorService`) where the memory, replication,
   health and persistence services plug in.
@@ -100,6 +102,16 @@ def _formed_without(handler: Any, joined: int) -> bool:
     return bool(state.round > joined and handler._this_node not in state.participants)
 
 
+def _members_left(handler: Any, joined: int | None, world: int) -> bool:
+    """Whether a member already left round ``joined`` of ``world`` hosts, as torch's
+    dynamic rendezvous state last synced says (False for other backends)."""
+    holder = getattr(handler, "_state_holder", None)
+    if holder is None or joined is None:
+        return False
+    state = holder.state
+    return bool(state.round == joined and len(state.participants) < world)
+
+
 def _round_running(handler: Any) -> bool:
     """Whether torch's dynamic rendezvous has a complete round with hosts in it."""
     holder = getattr(handler, "_state_holder", None)
@@ -174,10 +186,13 @@ class GeminiAgent(LocalElasticAgent):
                  services: Sequence[SupervisorService],
                  lost_hosts: Callable[[], frozenset[str]] = frozenset,
                  declare_dead: Callable[[Iterable[str]], dict[str, str]] = lambda _: {},
+                 report_failure: Callable[[int], None] = lambda _: None,
                  forget: Callable[[], None] = lambda: None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._lost_hosts = lost_hosts
         self._declare_dead = declare_dead
+        self._report_failure = report_failure
+        self._failed: dict[str, int] = {}  # host -> the rendezvous round its workers failed in
         self._forget = forget
         self._members: frozenset[str] = frozenset()  # the hosts of this host's round
         self._joined_round: int | None = None  # torch's round number of that round
@@ -203,6 +218,13 @@ class GeminiAgent(LocalElasticAgent):
         """Look at the workers and the round's members now (a host was found lost)."""
         _CLOCK.woken.set()
 
+    def member_failed(self, host: str, round_number: int) -> None:
+        """``host`` says its workers failed in rendezvous round ``round_number`` and it
+        restarts them (any thread): if it is a member of this host's round, this host
+        restarts too, at its next look (now)."""
+        self._failed[host] = round_number
+        self.wake()
+
     def run_job(self) -> RunResult | None:
         """torch's ``run``; None when the job ended without needing this host (torch's
         graceful exit, or the rendezvous closed on a spare or a host fenced out), and the
@@ -222,17 +244,22 @@ class GeminiAgent(LocalElasticAgent):
         sees it (``launcher.rounds.answer_waiting``): 0 while the group already has
         ``max_nodes`` hosts, so that a spare waits until a host is lost (the survivors'
         restart admits it) or the group can grow; 1 (restart: a new round) when a member
-        of this host's round was confirmed lost (its lease expired), and when the job
-        went on without this host (it froze for longer than the rendezvous allows); it
-        then stops its stale workers, forgets its memory, and waits as a spare."""
+        of this host's round was confirmed lost (its lease expired), when another
+        member's workers failed (it said so through the store, :meth:`member_failed`, or
+        it left the round to re-join), and when the job went on without this host (it
+        froze for longer than the rendezvous allows); it then stops its stale workers,
+        forgets its memory, and waits as a spare."""
         waiting = int(self._waiting())
         current = _rendezvous_round(self._worker_group.spec.rdzv_handler)
         world = self._worker_group.group_world_size or 0
+        joined = self._joined_round
         answer = answer_waiting(
-            waiting=waiting, moved_on=round_moved_on(self._joined_round, current),
+            waiting=waiting, moved_on=round_moved_on(joined, current),
             lost=self._lost_hosts(), members=self._members, host=self._host_id,
             acted_on=self._acted_on, world=world, max_nodes=_max_nodes(self._worker_group),
-            spares_noted=self._spare_noted)
+            spares_noted=self._spare_noted,
+            failed=frozenset(h for h, r in list(self._failed.items()) if r == joined),
+            left=_members_left(self._worker_group.spec.rdzv_handler, joined, world))
         self._acted_on = answer.acted_on
         if answer.fence:
             self._fence("a new rendezvous round formed without it")
@@ -241,6 +268,11 @@ class GeminiAgent(LocalElasticAgent):
                   "(lease gone): restarting the round without them", file=sys.stderr,
                   flush=True)
             self._events.write("member_lost", round=self._round, lost=sorted(answer.lost))
+        elif answer.failed:
+            print(f"gemini: the workers of host(s) {', '.join(sorted(answer.failed))} failed: "
+                  "every host restarts its workers", file=sys.stderr, flush=True)
+            self._events.write("member_failed", round=self._round,
+                               failed=sorted(answer.failed))
         elif answer.note_spares:
             self._spare_noted = True
             logger.info("%d host(s) wait for the rendezvous; the group is full "
@@ -466,6 +498,8 @@ class GeminiAgent(LocalElasticAgent):
             choice = after_failure(remaining_restarts=self._remaining_restarts,
                                    finished=finished, world=world, min_nodes=min_nodes)
             if choice is AfterFailure.RESTART:
+                if self._joined_round is not None:  # the others restart with it at once
+                    self._report_failure(self._joined_round)
                 self._store.add(_RESTARTING, 1)
                 return
             if choice is AfterFailure.PEERS_FINISHED:

@@ -9,7 +9,9 @@ from its first beat in the round until it closes its Checkpointer: the superviso
 SIGKILLs the round's workers, and torch elastic restarts them as after a crash (counting
 a restart); they resume from the in-memory checkpoint.
 
-Workers that never beat (scripts without a Checkpointer) are not watched.
+Workers that never beat (scripts without a Checkpointer) are not watched. The counters
+exist without ``--hang-timeout`` too: they tell when every worker of a round is past its
+start (:meth:`HealthService.progressed`), which background work waits for.
 
 GPU health: where NVML is available (``nvidia-ml-py``, the ``gpu`` extra) a thread asks
 it every few seconds about each GPU this host's workers can see. A GPU that NVML reports
@@ -52,25 +54,21 @@ class HealthService:
                  events: EventLog) -> None:
         self.hang_timeout = hang_timeout
         self._events = events
-        self._segment: memory.Segment | None = None
-        if hang_timeout > 0:
-            self._segment = memory.create_segment(memory.heartbeat_name(prefix),
-                                                  memory.HEARTBEAT_STRIDE * local_world_size)
-            os.environ[ENV_HEARTBEAT] = self._segment.name
+        self._segment = memory.create_segment(memory.heartbeat_name(prefix),
+                                              memory.HEARTBEAT_STRIDE * local_world_size)
+        os.environ[ENV_HEARTBEAT] = self._segment.name
         self._pids: dict[int, int] = {}  # local rank -> worker pid, this round
         self._last: dict[int, tuple[int, float]] = {}  # local rank -> (count, when it moved)
         self._killed = False
         self.gpus = GpuWatch.start()
 
     def _count(self, local_rank: int) -> int:
-        assert self._segment is not None
         value: int = struct.unpack_from("Q", self._segment.view,
                                         local_rank * memory.HEARTBEAT_STRIDE)[0]
         return value
 
     def before_start(self, group: WorkerGroup, store: Any) -> None:
-        if self._segment is not None:  # no worker runs: the round's counters start at zero
-            self._segment.view[:] = bytes(self._segment.size)
+        self._segment.view[:] = bytes(self._segment.size)  # no worker runs: from zero
 
     def after_start(self, group: WorkerGroup) -> None:
         self._pids = {w.local_rank: int(w.id) for w in group.workers if w.id is not None}
@@ -85,7 +83,7 @@ class HealthService:
         if lost is not None:
             self._events.write("host_unhealthy", reason=lost)
             raise HostUnhealthyError(f"{lost}: this host leaves the job")
-        if self._segment is None or self._killed or not self._pids:
+        if self.hang_timeout <= 0 or self._killed or not self._pids:
             return
         now = time.monotonic()
         for local_rank in self._pids:
@@ -99,6 +97,12 @@ class HealthService:
             elif now - last[1] > self.hang_timeout:
                 self._kill_hung(local_rank, now - last[1])
                 return
+
+    def progressed(self) -> bool:
+        """Whether every worker of the running round is past its start: it beat at least
+        once (its first optimizer step, or a save), or closed its Checkpointer. False
+        while no round runs."""
+        return bool(self._pids) and all(self._count(r) for r in self._pids)
 
     def _kill_hung(self, local_rank: int, silent: float) -> None:
         """SIGKILL every worker of the round; torch elastic then restarts them."""
@@ -120,9 +124,8 @@ class HealthService:
     def close(self) -> None:
         if self.gpus is not None:
             self.gpus.close()
-        if self._segment is not None:
-            self._segment.close()
-            memory.unlink_segment(self._segment.name)
+        self._segment.close()
+        memory.unlink_segment(self._segment.name)
 
 
 class GpuWatch:

@@ -4,13 +4,17 @@ A lease in the coordination store finds a dead host only after ``--host-ttl``; a
 connection (:meth:`~launcher.coordination.CoordinationService.declare_dead`) finds one
 whose machine is up but whose supervisor is gone. Neither finds quickly a machine that
 froze, lost power or dropped off the network: nothing ever refuses a connection, and the
-survivors' workers wait on it in their collectives. So every supervisor pings each running
-peer's supervisor over the authenticated replication transport (a ``ping`` answered at
-full priority, every ``timeout / 4`` seconds, each within what is left of ``timeout``). A
-peer that has not answered for ``timeout`` seconds is suspected
+survivors' workers wait on it in their collectives. So every running host's supervisor
+pings the supervisors of the :data:`~launcher.coordination.FANOUT` running hosts after it
+in the ring of running hosts ordered by id (``coordination.watched_by``), over the
+authenticated replication transport (a ``ping`` answered at full priority, every
+``timeout / 4`` seconds, each within what is left of ``timeout``): each host is watched by
+the hosts before it, and a host sends and answers the same few pings a second however many
+hosts the job has. A peer that has not answered for ``timeout`` seconds is suspected
 (:meth:`~launcher.coordination.CoordinationService.suspect`): it is lost once a majority
-of the other running hosts suspect it, and its lease is revoked so that every host
-learns at once. A peer that answers again withdraws the vote. A ping that fails at once
+of its watchers suspect it, and its lease is revoked so that every host learns at once.
+A peer that answers again withdraws the vote. Spares ping no one: they are in no ring.
+Who runs comes from the coordination service's watches, not from reads of the store. A ping that fails at once
 (the connection was closed or refused: the peer's process is gone, its machine is not)
 needs no vote: the pinger probes the peer's port right away
 (:meth:`~launcher.coordination.CoordinationService.declare_dead`), so a killed
@@ -26,6 +30,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from launcher.coordination import watched_by
 from launcher.errors import GeminiError
 from launcher.events import EventLog, report_dead
 
@@ -37,14 +42,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PEERS_EVERY = 1.0  # seconds between two reads of who the running peers are
+PEERS_EVERY = 1.0  # seconds between two looks at who the running peers are
 MIN_WAIT = 0.05  # the shortest wait for an answer
 PROBE_EVERY = 1.0  # seconds between two probes of a peer whose pings fail at once
 
 
 class HeartbeatService:
-    """Supervisor service (see ``elastic_agent.SupervisorService``): one pinger thread per running
-    peer, started and stopped as peers come and go."""
+    """Supervisor service (see ``elastic_agent.SupervisorService``): one pinger thread per
+    watched peer, started and stopped as peers come and go."""
 
     def __init__(self, coordination: CoordinationService, events: EventLog, *,
                  connect: Callable[..., Client], timeout: float) -> None:
@@ -79,11 +84,10 @@ class HeartbeatService:
 
     def _watch_peers(self) -> None:
         while not self._stop.is_set():
-            try:
-                peers = self.coordination.running_peers()
-            except GeminiError as exc:  # a store outage: ping whom we know
-                logger.debug("heartbeat: cannot read the peers: %s", exc)
-                peers = {host: p.address for host, p in self._pingers.items()}
+            peers = self.coordination.running_peers()
+            watched = (watched_by(self.coordination.host_id, peers)
+                       if self.coordination.running else [])
+            peers = {host: peers[host] for host in watched}
             for host in [h for h, p in self._pingers.items() if peers.get(h) != p.address]:
                 self._pingers.pop(host).stop()
             for host, address in peers.items():

@@ -22,7 +22,8 @@ def round_moved_on(joined: int | None, current: int | None) -> bool:
 @dataclass(frozen=True, kw_only=True)
 class WaitingAnswer:
     """What the agent answers torch's monitor loop when it asks for the waiting hosts, and
-    what it records first (at most one of ``fence``, ``lost`` and ``note_spares``)."""
+    what it records first (at most one of ``fence``, ``lost``, ``failed`` and
+    ``note_spares``)."""
 
     count: int
     """The hosts waiting, as the monitor loop is told: above 0 restarts the round."""
@@ -34,11 +35,15 @@ class WaitingAnswer:
     """Members of this round newly confirmed lost, to announce (empty: none)."""
     note_spares: bool = False
     """Hosts wait while the group is full: say, once, that they stay spares."""
+    failed: frozenset[str] = frozenset()
+    """Members whose workers failed: every host restarts with them (empty: none said so)."""
 
 
 def answer_waiting(*, waiting: int, moved_on: bool, lost: frozenset[str],
                    members: frozenset[str], host: str, acted_on: frozenset[str],
-                   world: int, max_nodes: int, spares_noted: bool) -> WaitingAnswer:
+                   world: int, max_nodes: int, spares_noted: bool,
+                   failed: frozenset[str] = frozenset(), left: bool = False
+                   ) -> WaitingAnswer:
     """The count of waiting hosts to answer torch's monitor loop, which restarts a healthy
     group whenever it is above 0.
 
@@ -46,7 +51,10 @@ def answer_waiting(*, waiting: int, moved_on: bool, lost: frozenset[str],
     this host (:func:`round_moved_on`); ``lost`` the hosts confirmed lost (lease expired);
     ``members`` the hosts of this host's round and ``host`` this one; ``acted_on`` the lost
     members already restarted for; ``world`` the hosts of the round, ``max_nodes`` the most
-    the group may have; ``spares_noted`` whether full-group spares were already noted.
+    the group may have; ``spares_noted`` whether full-group spares were already noted;
+    ``failed`` the hosts that said their workers of this round failed and they restart;
+    ``left`` whether a member already left torch's round (fewer participants than
+    ``world``: it re-joins after its workers failed, or was dropped as dead).
 
     * The job went on without this host: 1, and fence it out (it stops its stale workers
       and waits as a spare).
@@ -54,10 +62,15 @@ def answer_waiting(*, waiting: int, moved_on: bool, lost: frozenset[str],
       without a connection reset leaves the survivors' workers waiting on it forever): 1,
       to restart the round without it. A lost member that registered again drops out of
       ``acted_on``, so that its next loss is acted on too.
-    * Hosts wait but the group already has ``max_nodes`` hosts: 0. torch expects the next
-      round to let a waiting host in; a full group cannot, and the waiting host would push
-      an original one out of the next round, which would then wait and restart the group
-      again. A spare waits until a host is lost or the group can grow.
+    * Another member's workers failed (it said so, or it left the round to re-join): 1.
+      Every host restarts in the next round at once, as torch's own rendezvous has it,
+      instead of waiting for its workers' collectives with the failed ones to time out.
+      A member is never a spare.
+    * Hosts wait but the group already has ``max_nodes`` hosts and every member is still
+      in the round: 0. torch expects the next round to let a waiting host in; a full
+      group cannot, and the waiting host would push an original one out of the next
+      round, which would then wait and restart the group again. A spare waits until a
+      host is lost, a member fails, or the group can grow.
     * Otherwise torch's count.
     """
     if moved_on:
@@ -66,6 +79,10 @@ def answer_waiting(*, waiting: int, moved_on: bool, lost: frozenset[str],
     still_acted_on = acted_on & lost_members
     if lost_members and lost_members != still_acted_on:
         return WaitingAnswer(count=1, acted_on=lost_members, lost=lost_members)
+    failed_members = (failed & members) - {host}
+    if failed_members or (waiting and left):
+        return WaitingAnswer(count=max(1, waiting), acted_on=still_acted_on,
+                             failed=failed_members)
     if waiting and world >= max_nodes:
         return WaitingAnswer(count=0, acted_on=still_acted_on, note_spares=not spares_noted)
     return WaitingAnswer(count=waiting, acted_on=still_acted_on)

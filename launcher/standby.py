@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import zipfile
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -124,22 +125,29 @@ class StandbyService:
     """Supervisor service: fills the standby pool as the supervisor starts, so that they
     import torch while it waits for the first round (a spare waits ready to take a lost
     host's place at once) and its first workers run in standbys and die with it; and
-    again from ``REFILL_DELAY`` seconds after each start of workers."""
+    again once the workers of a round are past their start (``progressed()``: every worker
+    completed its first step), or ``REFILL_FALLBACK`` seconds after they started when
+    nothing tells (a script without a Checkpointer). Nothing is refilled while no round
+    runs: a restart under way has the host's CPU to itself."""
 
-    #: Seconds after workers start before new standbys start importing torch, at a lower
-    #: priority (``polite``) as long as the workers run: sooner, they take some CPU from
-    #: the workers' own start. A failure before they are ready restarts cold, or waits for
-    #: a standby still importing (at the workers' priority from then on).
-    REFILL_DELAY = 2.0
+    #: Seconds after workers start before new standbys start importing torch when no
+    #: progress is reported. They import at a lower priority (``polite``) as long as the
+    #: workers run, but on a host whose cores the workers' start keeps busy they still
+    #: take a share of them. A failure before they are ready restarts cold, or waits for a
+    #: standby still importing (at the workers' priority from then on).
+    REFILL_FALLBACK = 10.0
 
-    def __init__(self, local_world_size: int, command: list[str] | tuple[str, ...] = ()
-                 ) -> None:
+    def __init__(self, local_world_size: int, command: list[str] | tuple[str, ...] = (),
+                 progressed: Callable[[], bool] = lambda: False) -> None:
         """``command``: the workers' command after the interpreter, for the room each
-        standby keeps for showing it."""
+        standby keeps for showing it; ``progressed()``: whether every worker of the
+        running round completed its first step."""
         self.pool = StandbyPool(local_world_size,
                                 len(sys.executable) + 4 + sum(len(a) + 1 for a in command))
         self.enabled = install(self.pool)
-        self._refill_at: float | None = None
+        self.progressed = progressed
+        self._started: float | None = None  # when this round's workers started
+        self._past_start = False  # whether they are past their start
         if not self.enabled:
             logger.info("standby workers unavailable with this torch version")
         else:
@@ -150,16 +158,22 @@ class StandbyService:
             self.pool.fill()
 
     def after_start(self, group: Any) -> None:
-        self._refill_at = time.monotonic() + self.REFILL_DELAY
+        self._started = time.monotonic()
+        self._past_start = False
 
     def after_stop(self, group: Any) -> None:
-        pass
+        self._started = None
 
     def check(self) -> None:
         # Refill once the workers are past their start; later, a standby that died while
         # waiting (OOM killer, a stray signal) is replaced at once, not at the next
         # restart, which would otherwise start a cold process.
-        if self.enabled and self._refill_at is not None and time.monotonic() >= self._refill_at:
+        if not self.enabled or self._started is None:
+            return
+        if not self._past_start:
+            self._past_start = (self.progressed()
+                                or time.monotonic() - self._started >= self.REFILL_FALLBACK)
+        if self._past_start:
             self.pool.fill(polite=True)
 
     def ready(self) -> bool:

@@ -78,6 +78,22 @@ def test_hosts_waiting_beside_a_full_group_stay_spares() -> None:
     assert full == WaitingAnswer(count=0, acted_on=NONE, note_spares=True)
     assert answer(waiting=1, world=4, spares_noted=True) == WaitingAnswer(count=0, acted_on=NONE)
     assert answer(waiting=0, world=4) == WaitingAnswer(count=0, acted_on=NONE)
+
+
+def test_a_member_whose_workers_failed_restarts_a_full_group_at_once() -> None:
+    # it said so before it re-joined: every host restarts now, spares or not
+    said = answer(world=4, failed=frozenset({"b"}))
+    assert said == WaitingAnswer(count=1, acted_on=NONE, failed=frozenset({"b"}))
+    # it left torch's round to re-join (nothing said, e.g. the store was away): a member
+    # waits beside the full group, so it is no spare
+    left = answer(waiting=2, world=4, left=True)
+    assert left == WaitingAnswer(count=2, acted_on=NONE)
+
+
+def test_only_other_members_failures_restart_the_round() -> None:
+    assert answer(world=4, failed=frozenset({"a", "x"})) == WaitingAnswer(count=0, acted_on=NONE)
+    # a member that left without anyone waiting was dropped as dead: its lease decides
+    assert answer(world=4, left=True) == WaitingAnswer(count=0, acted_on=NONE)
     assert answer(waiting=1, world=3).count == 1  # room to grow: torch's restart lets it in
 
 
