@@ -126,6 +126,7 @@ class HealthService:
             self.gpus.close()
         self._segment.close()
         memory.unlink_segment(self._segment.name)
+        memory.release_shm_dir()  # if the slots went first, this segment was the last
 
 
 class GpuWatch:

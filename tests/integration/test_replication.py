@@ -1,4 +1,4 @@
-"""Whole-host failures: several supervisors on one machine stand in for several hosts.
+"""Failures across hosts: several supervisors on one machine stand in for several hosts.
 
 Each simulated host is a ``gemini run`` with its own shared memory: a private tmpfs on
 /dev/shm in its own mount namespace when the tests run as root (so killing the host's
@@ -12,8 +12,10 @@ that never failed.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -268,6 +270,63 @@ def test_a_replica_torn_by_the_loss_is_never_chosen(tmp_path: Path) -> None:
     assert {p["step"] for p in plans} == {sstar}, (at_kill, plans)
     survivor = next(p for p in plans if p["host"] == "h1")
     assert survivor["replicas"]["0"] == [sstar], survivor  # the other slot: torn, unverified
+    assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
+
+
+def test_a_worker_crash_restarts_every_host_in_one_round(tmp_path: Path) -> None:
+    """Three hosts of one worker and a spare; the worker of the host in node slot 1 is
+    SIGKILLed. Its supervisor says so through the store, and every member restarts at
+    once: none takes it for a spare (no ``spares_waiting``), none waits for its own
+    workers' collectives with the dead one to fail (no worker exits but the victim's),
+    every member rendezvouses exactly once more, with the same hosts (the spare keeps
+    waiting), and the run ends bitwise equal to one that never failed."""
+    reference = _reference(tmp_path, 3)
+    hosts: list[Host] = []
+    by = time.monotonic() + RUN_BUDGET
+    with EtcdServer() as etcd:
+        argv = [*GEMINI, "run", "--nnodes", "3:3", "--nproc-per-node", "1",
+                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                "--rdzv-id", "repl", "--rdzv-conf", "last_call_timeout=1", "--store",
+                etcd.url, "--max-restarts", "3", "--replication-addr", "127.0.0.1",
+                "--no-standby", *TRAIN, "--steps", str(STEPS), "--sleep", "0.1",
+                "--out", str(tmp_path / "out.pt")]
+        try:
+            hosts = [Host(tmp_path, f"h{i}", argv) for i in range(3)]
+            wait_for(lambda: len(_slots(tmp_path)) == 3, 120, "every host in the rendezvous",
+                     hosts, by)
+            hosts.append(Host(tmp_path, "spare", argv))
+            by_slot = {slot: name for name, slot in _slots(tmp_path).items()}
+            rank0 = next(h for h in hosts if h.name == by_slot[0])
+            wait_for(lambda: re.search(r"^step 20 ", rank0.output(), re.M) is not None, 180,
+                     "step 20", hosts, by)
+            start = [e for e in events(tmp_path / "runs")
+                     if e["event"] == "start" and e["host"] == by_slot[1]][-1]
+            killed = time.time()
+            os.kill(int(start["workers"][0]["pid"]), signal.SIGKILL)  # type: ignore[index]
+            wait_exit(hosts[:3], hosts, by)
+            for host in hosts[:3]:
+                assert host.proc.returncode == 0, host.output()[-4000:]
+            wait_exit(hosts[3:], hosts, by)  # the closed rendezvous ends the spare
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    after = [e for e in events(tmp_path / "runs") if float(e["ts"]) > killed]  # type: ignore[arg-type]
+    restarted = {str(e["host"]): float(e["ts"]) for e in after if e["event"] == "restart"}  # type: ignore[arg-type]
+    assert sorted(restarted) == ["h0", "h1", "h2"], after
+    # (in the next round the spare waits beside the full group again: that is noted)
+    assert not [e for e in after if e["event"] == "spares_waiting"
+                and float(e["ts"]) < restarted[str(e["host"])]], after  # type: ignore[arg-type]
+    assert [e["host"] for e in after if e["event"] == "worker_exit"] == [by_slot[1]], after
+    said = {e["host"] for e in after if e["event"] == "member_failed"}
+    assert said == {by_slot[0], by_slot[2]}, after
+    rounds = sorted(str(e["host"]) for e in after if e["event"] == "rendezvous")
+    assert rounds == ["h0", "h1", "h2"], rounds
+    # not a timing target (benchmarks/worker_kill_bench.py): no wait for a timeout
+    started = [float(e["ts"]) for e in after if e["event"] == "start"]  # type: ignore[arg-type]
+    assert len(started) == 3 and max(started) - killed < 20, after
+    plans = [e for e in after if e["event"] == "restore_plan"]
+    assert len({p["step"] for p in plans}) == 1 and plans[0]["step"] >= 19, plans
+    assert all(set(p["sources"].values()) == {"memory"} for p in plans), plans  # type: ignore[union-attr]
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
 
