@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+TIMEOUT = 2.0  # --heartbeat-timeout: the hosts share this process and its two cores
 
 
 def measure(nodes: int, window: float, settle: float) -> dict[str, float]:
@@ -61,15 +62,7 @@ def measure(nodes: int, window: float, settle: float) -> dict[str, float]:
         return CountingClient(address, secret=secret, run_id=run_id, timeout=timeout)
 
     def counted(store: Any) -> Any:
-        for name in ("get", "get_prefix"):
-            def read(*args: Any, _fn: Any = getattr(store, name)) -> Any:
-                found = _fn(*args)
-                if counting.is_set():
-                    reads[0] += 1
-                    reads[1] += len(found) if isinstance(found, dict) else found is not None
-                return found
-            setattr(store, name, read)
-        return store
+        return _count_reads(store, counting, reads)
 
     closers: list[Any] = []
     with EtcdServer() as etcd, tempfile.TemporaryDirectory() as tmp:
@@ -89,9 +82,11 @@ def measure(nodes: int, window: float, settle: float) -> dict[str, float]:
                 services.append(coordination)
             events = EventLog(Path(tmp), host="bench")
             closers.append(events)
-            for coordination in services:
+            for coordination in services:  # staggered, as hosts start: every connection
+                # comes from 127.0.0.1, and a server lets 4 per address authenticate at once
                 closers.insert(0, HeartbeatService(coordination, events, connect=connect,
-                                                   timeout=1.0))
+                                                   timeout=TIMEOUT))
+                time.sleep(0.1)
             time.sleep(settle)
             counting.set()
             time.sleep(window)
@@ -110,6 +105,19 @@ def measure(nodes: int, window: float, settle: float) -> dict[str, float]:
         finally:
             for closer in closers:
                 closer.close()
+
+
+def _count_reads(store: Any, counting: threading.Event, reads: list[int]) -> Any:
+    """``store``, its reads counted into ``reads`` (calls, keys) while ``counting``."""
+    for name in ("get", "get_prefix"):
+        def read(*args: Any, _fn: Any = getattr(store, name)) -> Any:
+            found = _fn(*args)
+            if counting.is_set():
+                reads[0] += 1
+                reads[1] += len(found) if isinstance(found, dict) else found is not None
+            return found
+        setattr(store, name, read)
+    return store
 
 
 def run_in(tree: Path, nodes: int, window: float, settle: float) -> dict[str, float]:
@@ -145,16 +153,23 @@ def main() -> None:
     if args.baseline:
         trees[f"baseline ({args.baseline_name})"] = Path(args.baseline).resolve()
     rows = []
+    print(f"machine: {machine()}\n", flush=True)
     for nodes in args.hosts:
         for name, tree in trees.items():
-            got = run_in(tree, nodes, args.window, args.settle)
+            try:
+                got = run_in(tree, nodes, args.window, args.settle)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                print(f"{nodes} hosts, {name}: failed: {str(exc)[-500:]}", file=sys.stderr)
+                rows.append([str(nodes), name, "failed", "", "", "", "", ""])
+                continue
             rows.append([str(nodes), name, *(f"{got[k]:.1f}" for k in (
                 "pings per host per s", "heartbeat threads per host",
                 "transport threads per host", "store reads per host per s",
                 "keys read per host per s")), f"{got['lost']:g}"])
-    print(f"machine: {machine()}\n")
+            print(" | ".join(rows[-1]), file=sys.stderr, flush=True)
     print(f"heartbeats per simulated host ({args.window:g} s counted after {args.settle:g} s; "
-          "real etcd, transport servers and heartbeat services in one process)\n")
+          f"--heartbeat-timeout {TIMEOUT:g}; real etcd, transport servers and heartbeat "
+          "services in one process)\n")
     print(table(["hosts", "launcher", "pings sent per host per s", "heartbeat threads per host",
                  "transport threads per host", "store reads per host per s",
                  "keys read per host per s", "hosts wrongly lost"], rows))

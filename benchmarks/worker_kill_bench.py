@@ -52,7 +52,7 @@ from replication_bench import (  # noqa: E402
 
 KILL_AT = 12  # at least: the kill waits until every host's standby workers are ready
 SLEEP = 0.2  # seconds per step with the CPU free: GPU time
-LARGE_MODEL = ["--n-embd", "640", "--n-layer", "4", "--n-head", "8", "--batch-size", "1",
+LARGE_MODEL = ["--n-embd", "640", "--n-layer", "5", "--n-head", "8", "--batch-size", "1",
                "--seq-len", "16"]
 """About 288 MiB of model and AdamW state per rank."""
 
@@ -146,8 +146,13 @@ def _kill_one(nodes: int, hosts: dict[str, Host], run_root: Path, timeout: float
     for e in after:
         if e["event"] == "rendezvous":
             rounds[str(e["host"])] += 1
+    def last(event: str) -> float:
+        return max((float(e["ts"]) for e in after if e["event"] == event),  # type: ignore[arg-type]
+                   default=float("nan")) - killed
+
     return {"total": first_step - killed,
             "every host knows": max(known.values()) - killed if known else float("nan"),
+            "round formed": last("rendezvous"), "workers started": last("start"),
             "spares_waiting": sum(e["event"] == "spares_waiting" for e in after),
             "one round": float(all(n == 1 for n in rounds.values())),
             "peers failed": sum(e["event"] == "worker_exit" and e["host"] != victim
@@ -183,16 +188,19 @@ def scaling(args: argparse.Namespace) -> list[str]:
                 total = _median(results, "total")
                 rows.append([str(nodes), name, f"{total:.2f} s",
                              f"{_median(results, 'every host knows'):.2f} s",
+                             f"{_median(results, 'round formed'):.2f} s",
+                             f"{_median(results, 'workers started'):.2f} s",
                              f"{sum(r['spares_waiting'] for r in results):g}",
                              f"{sum(r['peers failed'] for r in results):g}",
                              f"{sum(r['one round'] for r in results):g}/{len(results)}",
                              f"{total / ours:.2f}x"])
             if spare:
                 rows.append([str(nodes), "host kill, hot spare (gemini)",
-                             f"{_median(spare, 'total'):.2f} s", "-", "-", "-", "-", "-"])
+                             f"{_median(spare, 'total'):.2f} s", *["-"] * 7])
     return [f"1. worker SIGKILL -> every rank's next step (1 worker per host, the example's "
             f"default model, {SLEEP} s sleep per step, etcd-v3 rendezvous)", "",
             table(["hosts", "launcher", "kill -> next step", "every host knows",
+                   "every host in the new round", "every host's workers started",
                    "spares_waiting events", "peers' workers failed", "one round",
                    "vs gemini"], rows), ""]
 
