@@ -126,7 +126,7 @@ def run_in(tree: Path, nodes: int, window: float, settle: float) -> dict[str, fl
         filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
     done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--one", str(nodes),
                            "--window", str(window), "--settle", str(settle)],
-                          env=env, cwd=tree, capture_output=True, text=True, timeout=600)
+                          env=env, cwd=tree, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(done.stderr[-3000:])
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])

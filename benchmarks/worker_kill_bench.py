@@ -2,26 +2,30 @@
 
 Several `gemini run` supervisors on this machine stand in for hosts (one worker each,
 gloo over loopback, each host its own shared-memory directory, an etcd-v3 rendezvous and
-store). Once rank 0 printed step ``KILL_AT``, the worker of the host in node slot 1 (of
-the only host with one host) is SIGKILLed, and the clock runs until rank 0 completes its
-first step after the restore: every rank takes part in that step's collectives, so it is
-every rank's next step. Printed per host count, side by side:
+store). Once rank 0 printed step ``KILL_AT`` and every host's standby workers are ready
+(on real hosts, each with cores of its own, they are within seconds of a start; here the
+simulated hosts share two cores), the worker of the host in node slot 1 (of the only
+host with one host) is SIGKILLed, and the clock runs until rank 0 completes its first step
+after the restore: every rank takes part in that step's collectives, so it is every
+rank's next step. Printed per host count, side by side:
 
 * gemini as checked out;
 * with ``--baseline PATH``, the same from another checkout of gemini (e.g. a ``git
   worktree`` of an earlier commit): the previous behaviour in the same run;
-* a host kill with a hot spare at the same host count (this checkout), for scale.
+* a host kill with a hot spare at the same host count (this checkout, the same harness:
+  the whole host in node slot 1 killed once the spare is ready), for scale.
 
 Also shown: when the last surviving supervisor knew of the failure (its own worker
-failed, or it restarted for another host's), how many hosts took the failed host for a
-spare (event ``spares_waiting``), and whether every host restarted in one rendezvous
-round. The example's default model (about 1 MB of state) and a 0.2 s sleep per step,
-standing in for GPU time.
+failed, or it restarted for another host's), had joined the new rendezvous round and had
+started its workers; how many hosts took the failed host for a spare (event
+``spares_waiting``), how many hosts' workers failed too (their collectives with the dead
+worker), and whether every host restarted in one rendezvous round. The example's
+default model (about 1 MB of state) and a 0.2 s sleep per step, standing in for GPU time.
 
     python benchmarks/worker_kill_bench.py --hosts 1,2,4,8 --repeat 3 [--baseline PATH]
 
-Part 2 (``--large``) is the single-host hand-written loop at a realistic size: 2 workers
-on one host, about 288 MiB of model and optimizer state per rank, one worker killed.
+Part 2 is the single-host hand-written loop at a realistic size: 2 workers on one host,
+about 288 MiB of model and optimizer state per rank, one worker killed.
 """
 
 from __future__ import annotations
@@ -43,11 +47,10 @@ from common import machine, table  # noqa: E402
 from replication_bench import (  # noqa: E402
     EXAMPLE,
     Host,
-    Variant,
     _events,
     _shm,
     _shm_dir,
-    host_loss,
+    _wait_for_spare,
 )
 
 KILL_AT = 12  # at least: the kill waits until every host's standby workers are ready
@@ -58,9 +61,12 @@ LARGE_MODEL = ["--n-embd", "640", "--n-layer", "5", "--n-head", "8", "--batch-si
 
 
 def worker_kill(nodes: int, etcd: object, tree: Path | None, *, nproc: int = 1,
-                model: list[str] | None = None, timeout: float = 300) -> dict[str, float]:
+                model: list[str] | None = None, timeout: float = 300,
+                spare: bool = False) -> dict[str, float]:
     """One run: ``nodes`` hosts of ``nproc`` workers, the first worker of node slot 1
-    (slot 0 with one host) SIGKILLed once rank 0 printed step :data:`KILL_AT`."""
+    (slot 0 with one host) SIGKILLed once rank 0 printed step :data:`KILL_AT`; with
+    ``spare``, a spare waits and the whole host in node slot 1 is killed instead, once
+    the spare is ready."""
     with tempfile.TemporaryDirectory() as tmp, _shm() as shm:
         run_root = Path(tmp) / "runs"
         env = dict(os.environ, GEMINI_RUN_ROOT=str(run_root), PYTHONWARNINGS="ignore",
@@ -80,8 +86,14 @@ def worker_kill(nodes: int, etcd: object, tree: Path | None, *, nproc: int = 1,
                                           GEMINI_SHM_DIR=_shm_dir(shm, i)),
                                cwd=str(tree or HERE.parent))
                  for i in range(nodes)}
+        if spare:
+            hosts["new"] = Host(argv, dict(env, GEMINI_HOST_ID="new",
+                                           GEMINI_SHM_DIR=_shm_dir(shm, nodes)),
+                                cwd=str(tree or HERE.parent))
         try:
-            return _kill_one(nodes, hosts, run_root, timeout, nproc)
+            if spare:
+                _wait_for_spare(etcd.url, run_id, time.monotonic() + timeout)  # type: ignore[attr-defined]
+            return _kill_one(nodes, hosts, run_root, timeout, nproc, spare)
         finally:
             for h in hosts.values():
                 h.kill()
@@ -107,7 +119,7 @@ def _standbys_ready(hosts: object, nproc: int) -> bool:
 
 
 def _kill_one(nodes: int, hosts: dict[str, Host], run_root: Path, timeout: float,
-              nproc: int) -> dict[str, float]:
+              nproc: int, whole_host: bool) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     step = re.compile(rf"^step {KILL_AT} ")
 
@@ -128,7 +140,10 @@ def _kill_one(nodes: int, hosts: dict[str, Host], run_root: Path, timeout: float
     pid = int(start["workers"][0]["pid"])  # type: ignore[index]
     rank0 = hosts[slots[0]]
     killed = time.time()
-    os.kill(pid, signal.SIGKILL)
+    if whole_host:
+        hosts[victim].kill()
+    else:
+        os.kill(pid, signal.SIGKILL)
 
     def resumed() -> float | None:
         at = rank0.first(r"^resumed at step", after=killed)
@@ -138,14 +153,20 @@ def _kill_one(nodes: int, hosts: dict[str, Host], run_root: Path, timeout: float
     first_step = resumed()
     assert first_step is not None
     after = [e for e in _events(run_root) if float(e["ts"]) > killed]  # type: ignore[arg-type]
+    return _summary(after, killed, first_step, victim)
+
+
+def _summary(after: list[dict[str, object]], killed: float, first_step: float, victim: str
+             ) -> dict[str, float]:
+    """The figures of one run from the events written after the kill."""
     known: dict[str, float] = {}
+    rounds = {str(e["host"]): 0 for e in after}
     for e in after:
         if e["event"] in ("worker_exit", "restart"):
             known.setdefault(str(e["host"]), float(e["ts"]))  # type: ignore[arg-type]
-    rounds = {str(e["host"]): 0 for e in after}
-    for e in after:
         if e["event"] == "rendezvous":
             rounds[str(e["host"])] += 1
+
     def last(event: str) -> float:
         return max((float(e["ts"]) for e in after if e["event"] == event),  # type: ignore[arg-type]
                    default=float("nan")) - killed
@@ -181,8 +202,7 @@ def scaling(args: argparse.Namespace) -> list[str]:
                         print(f"{nodes} hosts, {name}: {runs[name][-1]}", file=sys.stderr,
                               flush=True)
                 if nodes > 1 and not args.no_spare:
-                    spare.append(host_loss(Variant("hot spare", spare=True), nodes, etcd,
-                                           model=[]))
+                    spare.append(worker_kill(nodes, etcd, None, spare=True))
             ours = _median(runs["gemini"], "total")
             for name, results in runs.items():
                 total = _median(results, "total")
@@ -196,7 +216,10 @@ def scaling(args: argparse.Namespace) -> list[str]:
                              f"{total / ours:.2f}x"])
             if spare:
                 rows.append([str(nodes), "host kill, hot spare (gemini)",
-                             f"{_median(spare, 'total'):.2f} s", *["-"] * 7])
+                             f"{_median(spare, 'total'):.2f} s",
+                             f"{_median(spare, 'every host knows'):.2f} s",
+                             f"{_median(spare, 'round formed'):.2f} s",
+                             f"{_median(spare, 'workers started'):.2f} s", *["-"] * 4])
     return [f"1. worker SIGKILL -> every rank's next step (1 worker per host, the example's "
             f"default model, {SLEEP} s sleep per step, etcd-v3 rendezvous)", "",
             table(["hosts", "launcher", "kill -> next step", "every host knows",
