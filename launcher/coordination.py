@@ -317,6 +317,12 @@ class CoordinationService:
         votes = {key.rsplit("/", 1)[-1] for key in self.store.get_prefix(votes_prefix)} & voters
         if len(votes) < len(voters) // 2 + 1:
             return None
+        # Voters that complete the majority at once: one of them declares (per lease of
+        # the suspect, so that a later loss of the same host is declared again).
+        declared = self.prefix + f"suspects/{host}/declared-{record['lease']}"
+        if not self.store.compare_and_set(declared, None, self.host_id.encode(),
+                                          lease=self._lease):
+            return None
         self._declare_lost(host, record)
         for voter in votes:
             self.store.delete(votes_prefix + voter)

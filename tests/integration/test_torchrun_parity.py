@@ -194,19 +194,25 @@ def test_peers_that_finish_while_a_host_restarts_end_its_restart(tmp_path: Path)
     workers finish meanwhile (see the script). A finished host joins no later round, so
     under torch elastic host1 waits for a round that cannot form (600 s) and host0 for
     host1 in the exit barrier (300 s). gemini's host0 closes the rendezvous; host1 ends
-    with its failure."""
+    with its failure. (host1 tells host0 of its failure at once, and host0 would restart
+    too: the script holds host0's supervisor stopped until its workers are done, so the
+    coordination store is etcd, which a stopped supervisor cannot hold a lock on.)"""
+    from etcd_server import EtcdServer
+
     port = free_port()
-    common = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "finish-in-restart",
-              "--max-restarts", "3", str(SCRIPTS / "finish_during_restart.py"), "host1"]
-    began = time.monotonic()
-    nodes = [start([*GEMINI, *common], env=env_with(tmp_path, GEMINI_HOST_ID=f"host{i}"))
-             for i in range(2)]
-    try:
-        outputs = [proc.communicate(timeout=120)[0] for proc in nodes]
-    finally:
-        for proc in nodes:
-            kill_tree(proc.pid)
+    with EtcdServer() as etcd:
+        common = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "finish-in-restart",
+                  "--max-restarts", "3", "--heartbeat-timeout", "0", "--store", etcd.url,
+                  str(SCRIPTS / "finish_during_restart.py"), "host1"]
+        began = time.monotonic()
+        nodes = [start([*GEMINI, *common], env=env_with(tmp_path, GEMINI_HOST_ID=f"host{i}"))
+                 for i in range(2)]
+        try:
+            outputs = [proc.communicate(timeout=120)[0] for proc in nodes]
+        finally:
+            for proc in nodes:
+                kill_tree(proc.pid)
     assert time.monotonic() - began < 60, outputs
     assert [proc.returncode for proc in nodes] == [0, 1], outputs
     assert "exitcode  : 3" in outputs[1]
