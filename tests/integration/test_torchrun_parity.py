@@ -196,13 +196,13 @@ def test_peers_that_finish_while_a_host_restarts_end_its_restart(tmp_path: Path)
     host1 in the exit barrier (300 s). gemini's host0 closes the rendezvous; host1 ends
     with its failure. (host1 tells host0 of its failure at once, and host0 would restart
     too: the script holds host0's supervisor stopped until its workers are done, so the
-    coordination store is etcd, which a stopped supervisor cannot hold a lock on.)"""
+    rendezvous and the coordination store are in etcd, which a stopped supervisor does not
+    serve, as c10d's store would be, nor hold a lock on, as the embedded store could be.)"""
     from etcd_server import EtcdServer
 
-    port = free_port()
     with EtcdServer() as etcd:
-        common = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                  "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "finish-in-restart",
+        common = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "etcd-v3",
+                  "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "finish-in-restart",
                   "--max-restarts", "3", "--heartbeat-timeout", "0", "--store", etcd.url,
                   str(SCRIPTS / "finish_during_restart.py"), "host1"]
         began = time.monotonic()
