@@ -135,7 +135,7 @@ class CoordinationService:
         self._put_content: dict[str, Any] | None = None  # the record as last put
         self._view: dict[str, dict[str, Any]] = {}  # host -> record, as watched
         self._view_alive: set[str] = set()  # hosts whose alive key is there, as watched
-        self._viewed: set[str] = set()  # keys a watch delivered before the first read
+        self._viewed: set[str] | None = set()  # keys watched before the first read (then None)
         self._published: dict[str, Any] = {}
         self._lost: set[str] = set()
         self._lost_nodes: dict[str, str] = {}  # lost host -> its rendezvous node
@@ -225,18 +225,23 @@ class CoordinationService:
         alive = self.store.get_prefix(self.prefix + "alive/")
         found = self.store.get_prefix(self.prefix + "hosts/")
         with self._lock:
+            viewed, self._viewed = self._viewed or set(), None
             for key in alive:
-                if key not in self._viewed:
+                if key not in viewed:
                     self._view_alive.add(key.rsplit("/", 1)[-1])
             for key, value in found.items():
-                if key not in self._viewed:
+                if key not in viewed:
                     self._view[key.rsplit("/", 1)[-1]] = _parse_record(value)
-            self._viewed = set()
+
+    def _mark_viewed(self, key: str) -> None:
+        """A watch delivered ``key`` (under the lock): newer than the first read."""
+        if self._viewed is not None:
+            self._viewed.add(key)
 
     def _on_record(self, key: str, value: bytes | None) -> None:
         host = key.rsplit("/", 1)[-1]
         with self._lock:
-            self._viewed.add(key)
+            self._mark_viewed(key)
             if value is None:
                 self._view.pop(host, None)
             else:
@@ -455,7 +460,7 @@ class CoordinationService:
     def _on_alive(self, key: str, value: bytes | None) -> None:
         host = key.rsplit("/", 1)[-1]
         with self._lock:
-            self._viewed.add(key)
+            self._mark_viewed(key)
             if value is None:
                 self._view_alive.discard(host)
             else:

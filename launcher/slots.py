@@ -634,4 +634,5 @@ def clean(*, dry_run: bool = False) -> dict[str, list[str]]:
         for names in dead.values():
             for name in names:
                 memory.unlink_segment(name)
+        memory.release_shm_dir()  # and the directory, once no run is left in it
     return dead

@@ -73,6 +73,14 @@ def test_a_member_lost_as_its_round_forms_costs_one_read_timeout(tmp_path: Path)
 
 
 @pytest.mark.etcd
+def _killable(tmp: Path, host: str) -> dict[str, str]:
+    """The environment of a host whose supervisor the test kills: its segments, which a
+    killed supervisor leaves by design, go to a directory of the test's own."""
+    shm = tmp / f"{host}-shm"
+    shm.mkdir(exist_ok=True)
+    return env_with(tmp, GEMINI_HOST_ID=host, GEMINI_SHM_DIR=str(shm))
+
+
 def test_root_fails_over_within_the_ttl(tmp_path: Path) -> None:
     """Two hosts on etcd; the root host dies; the other becomes root within the TTL and
     records the lost host."""
@@ -86,7 +94,7 @@ def test_root_fails_over_within_the_ttl(tmp_path: Path) -> None:
                     "--rdzv-id", "failover", str(SCRIPTS / "idle.py"), "60"]
 
         # node 1 starts first and becomes root; node 0 hosts the static rendezvous
-        first = start(host(1), env=env_with(tmp_path, GEMINI_HOST_ID="h1"))
+        first = start(host(1), env=_killable(tmp_path, "h1"))
         try:
             deadline = time.monotonic() + 60
             while True:
@@ -96,7 +104,7 @@ def test_root_fails_over_within_the_ttl(tmp_path: Path) -> None:
                     break
                 assert time.monotonic() < deadline, done.output
                 time.sleep(0.2)
-            second = start(host(0), env=env_with(tmp_path, GEMINI_HOST_ID="h0"))
+            second = start(host(0), env=_killable(tmp_path, "h0"))
             try:
                 deadline = time.monotonic() + 60
                 while len([h for h in _status(tmp_path, "--store", etcd.url, "--run-id",
@@ -178,8 +186,8 @@ def test_etcd_v3_rendezvous_survives_the_first_host(tmp_path: Path) -> None:
                     "--max-restarts", "3", "--store", etcd.url,
                     str(SCRIPTS / "train_ckpt.py"), "--steps", str(steps), "--sleep", "0.05"]
 
-        first = start(host("h0", 200), env=env_with(tmp_path, GEMINI_HOST_ID="h0"))
-        second = start(host("h1", 200), env=env_with(tmp_path, GEMINI_HOST_ID="h1"))
+        first = start(host("h0", 200), env=_killable(tmp_path, "h0"))
+        second = start(host("h1", 200), env=_killable(tmp_path, "h1"))
         try:
             assert second.stdout is not None
             lines = []
