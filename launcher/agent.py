@@ -187,13 +187,17 @@ def _prepare_rendezvous(config: RunConfig, launch_config: Any, entrypoint: Any,
     from torch.distributed import DistError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
+    from launcher import rendezvous_state
     from launcher.rendezvous import (
         STORE_TIMEOUT_KEY,
+        bind_rendezvous_store,
         register,
         set_credentials,
         speed_up_rendezvous,
     )
 
+    rendezvous_state.install()  # no pickle read from a rendezvous store (see there)
+    bind_rendezvous_store()
     speed_up_rendezvous(single_node=launch_config.max_nodes == 1)
     if launch_config.rdzv_backend == "etcd-v3":
         register()
@@ -271,7 +275,8 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
                                            host_id=owner.host_id, owner=owner,
                                            ttl=config.host_ttl)
         services.append(coordination)
-        memory = _memory_service(config, launch_config, owner, events, store)
+        secret = _run_secret(config, launch_config, store)
+        memory = _memory_service(config, launch_config, owner, events, store, secret)
         services.append(memory)
         health = HealthService(owner.prefix, launch_config.nproc_per_node,
                                hang_timeout=config.hang_timeout, events=events)
@@ -427,8 +432,30 @@ def _store_outage(exc: BaseException) -> StoreUnavailableError | None:
     return None
 
 
+def _run_secret(config: RunConfig, launch_config: Any, store: GeminiStore) -> bytes | None:
+    """The run's secret, which signs the rendezvous state and authenticates replication:
+    from ``--secret-file``, or shared through the store when every host opens the same
+    one (etcd; an embedded store, which only a single-host job is sure to share). None
+    for a multi-host job on embedded stores without a secret file: its rendezvous state
+    is then JSON that runs no code but is not signed, and replication cannot connect."""
+    from launcher import rendezvous_state
+    from launcher.replication.service import load_secret
+
+    shared = config.store.startswith("etcd://") or launch_config.max_nodes == 1
+    if not config.secret_file and not shared:
+        logger.warning("a job of several hosts needs one secret for the whole run: pass "
+                       "--secret-file (the same file on every host) or an etcd --store; "
+                       "without it, the rendezvous state is not signed and replication "
+                       "between hosts cannot authenticate")
+        secret = None
+    else:
+        secret = load_secret(config.secret_file, store, launch_config.run_id)
+    rendezvous_state.use_secret(secret, launch_config.run_id)
+    return secret
+
+
 def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, events: EventLog,
-                    store: GeminiStore) -> MemoryService:
+                    store: GeminiStore, secret: bytes | None) -> MemoryService:
     """The memory tier, with replication to peer hosts when the job may have several and
     the persistent tier when a directory is given."""
     from launcher.tiers import MemoryService
@@ -449,13 +476,9 @@ def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, eve
                                                                if ":" in toward else toward)
             if host is not None:
                 bind = (host, 0)
-        if not config.secret_file and not config.store.startswith("etcd://"):
-            logger.warning("replication between hosts needs one secret for the whole run: "
-                           "unless every host opens this same embedded store file, pass "
-                           "--secret-file (the same file on every host) or an etcd --store")
         replication = ReplicationService(
             owner, events, store, run_id=launch_config.run_id, replicas=config.replicas,
-            secret=load_secret(config.secret_file, store, launch_config.run_id), bind=bind,
+            secret=secret or load_secret("", store, launch_config.run_id), bind=bind,
             advertise=advertised_host(bind[0], launch_config.local_addr), pace=config.pace,
             every=config.replicate_every, rate_limit=config.replication_rate * 1e6)
     if config.persist_dir:

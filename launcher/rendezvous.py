@@ -233,6 +233,59 @@ def register() -> None:
         pass
 
 
+def bind_rendezvous_store() -> None:
+    """Make the c10d rendezvous backend's TCP store listen only on the endpoint's address
+    when that is an IP address or ``localhost`` (idempotent).
+
+    torch's ``TCPStore`` server listens on every interface, so a store meant for
+    ``127.0.0.1`` is open to the whole network; here the host that serves it binds the
+    listening socket to the endpoint's own address (a host name keeps torch's behaviour:
+    it may resolve to another address on this host than on the peers)."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d
+
+    if getattr(c10d, "_gemini_bound", False):
+        return
+    c10d.TCPStore = _bound_store_factory(c10d.TCPStore)  # type: ignore[attr-defined]
+    c10d._gemini_bound = True  # type: ignore[attr-defined]
+
+
+def listen_address(host: str) -> str | None:
+    """The address a store served for ``host`` should listen on, or None for every
+    interface (``host`` is a name)."""
+    import ipaddress
+
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        return str(ipaddress.ip_address(host.strip("[]")))
+    except ValueError:
+        return None
+
+
+def _bound_store_factory(tcp_store: Any) -> Any:
+    def bound_tcp_store(host: str, port: int, *args: Any, is_master: bool = False,
+                        **kwargs: Any) -> Any:
+        address = listen_address(host) if is_master else None
+        if address is None or kwargs.get("master_listen_fd") is not None:
+            return tcp_store(host, port, *args, is_master=is_master, **kwargs)
+        import socket
+
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((address, port))
+            sock.listen(1024)
+        except OSError as exc:  # taken: torch then connects to it as a client
+            sock.close()
+            raise RuntimeError(f"cannot listen on {address}:{port}: {exc.strerror}") from None
+        bound = sock.getsockname()[1]
+        return tcp_store(host, bound, *args, is_master=True, master_listen_fd=sock.detach(),
+                         **kwargs)  # the store owns the socket from here on
+
+    return bound_tcp_store
+
+
 def _caller_name(depth: int = 2) -> str:
     try:
         return sys._getframe(depth).f_code.co_name
