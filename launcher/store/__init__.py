@@ -50,6 +50,10 @@ PRIVATE_SEGMENT = "secret"
 
 MAX_CREDENTIAL_FILE = 1 << 20  # bytes: a certificate, key or password file
 
+#: Every key gemini reads or writes starts with this (the coordination records, the
+#: etcd-v3 rendezvous): an etcd user needs no more than ``readwrite --prefix gemini/``.
+KEY_PREFIX = "gemini/"
+
 
 @dataclass(frozen=True)
 class EtcdCredentials:

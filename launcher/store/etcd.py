@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from launcher.errors import ConfigError, StoreError, StoreUnavailableError, StoreUncertainError
 from launcher.store import (
+    KEY_PREFIX,
     EtcdCredentials,
     KeepAlive,
     Lease,
@@ -132,8 +133,11 @@ class EtcdStore(_StoreBase):
         self._closed = False
         self._watches: list[_EtcdWatch] = []
         self._keepalives: list[KeepAlive] = []
+        # The probe reads a key under gemini's own prefix: an etcd user whose role is
+        # limited to that prefix (least privilege) may read nothing else.
+        probe = KEY_PREFIX.encode()
         try:
-            self._call("connect", lambda c: c.get_response(b"\0", count_only=True),
+            self._call("connect", lambda c: c.get_response(probe, count_only=True),
                        patient=False)
         except StoreError:
             self.close()
