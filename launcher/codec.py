@@ -226,7 +226,7 @@ def unflatten(node: Any, tensors: list[torch.Tensor], meshes: dict[str, Any] | N
     if "__bytes__" in node:
         return base64.b64decode(node["__bytes__"])
     if "__dtype__" in node:
-        return getattr(torch, node["__dtype__"])
+        return dtype_of(node["__dtype__"])
     return {k: unflatten(v, tensors, meshes) for k, v in node.items()}
 
 
@@ -234,8 +234,17 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype a slot's metadata names: only those of ``memory.DTYPE_SIZES`` (a
+    name is never looked up in torch as such: ``"save"`` would be a function)."""
+    dtype = getattr(torch, name, None) if name in memory.DTYPE_SIZES else None
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"element type {name[:40]!r} is not one this torch saves")
+    return dtype
+
+
 def slot_tensor(buf: Any, entry: dict[str, Any]) -> torch.Tensor:
-    dtype = getattr(torch, entry["dtype"])
+    dtype = dtype_of(entry["dtype"])
     shape = tuple(entry["shape"])
     nbytes = int(entry["nbytes"])
     if nbytes == 0:

@@ -28,3 +28,8 @@ ENV_HEARTBEAT = "GEMINI_HEARTBEAT"
 """The segment of per-local-rank progress counters the worker bumps."""
 ENV_SHM_DIR = "GEMINI_SHM_DIR"
 """Where shared memory lives (default /dev/shm); read by both sides."""
+ENV_SHM_PRIVATE_DIR = "GEMINI_SHM_PRIVATE_DIR"
+"""The private directory under ``GEMINI_SHM_DIR`` that the supervisor resolved and keeps
+its segments in (``launcher.slots.SlotOwner`` sets it): its workers use this one, checked,
+and never resolve or create one of their own (a name taken or freed meanwhile by another
+user would otherwise send them elsewhere)."""

@@ -568,7 +568,10 @@ class Checkpointer:
         for name in names:
             if not (memory.SHM_DIR / name).exists():
                 continue
-            segment = memory.attach_segment(name, populate=False)
+            try:
+                segment = memory.attach_segment(name, populate=False)
+            except StorageError:  # unusable (empty, not ours): it holds no copy
+                continue
             header = memory.read_header(segment.view)
             if (header is not None and header.state is memory.SlotState.COMMITTED
                     and header.step == step and header.rank == rank
@@ -614,7 +617,10 @@ class Checkpointer:
             name = memory.slot_name(self._prefix, self.rank, index)
             if self._segments[index] is None and (memory.SHM_DIR / name).exists():
                 # no pre-faulting: a restore reads one slot once; saves fault pages lazily
-                self._segments[index] = memory.attach_segment(name, populate=False)
+                try:
+                    self._segments[index] = memory.attach_segment(name, populate=False)
+                except StorageError as exc:  # unusable (empty, not ours): as if absent; the
+                    logger.warning("%s", exc)  # supervisor replaces it when it allocates
         for segment in self._segments:
             header = memory.read_header(segment.view) if segment is not None else None
             if header is not None:

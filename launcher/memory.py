@@ -2,8 +2,9 @@
 
 A *segment* is a file in ``/dev/shm`` (POSIX shared memory) created by the supervisor,
 which owns it, so it outlives any worker. Segments live in a directory private to the
-user (:func:`shm_dir`: ``/dev/shm/gemini-<uid>``, mode 0700), where no other user can
-plant a file or a symlink under gemini's predictable names, and every file is checked
+user (:func:`shm_dir`: ``/dev/shm/gemini-<uid>``, mode 0700, or a randomly named
+fallback), resolved once by the supervisor and handed to its workers, where no other user
+can plant a file or a symlink under gemini's predictable names, and every file is checked
 when opened (:func:`open_segment`): never followed through a link, a regular file of
 this user, mode 0600, one link. Workers only attach to it with ``os.open`` and
 ``mmap`` — never with ``multiprocessing.shared_memory``, whose resource tracker unlinks a
@@ -38,6 +39,7 @@ import os
 import re
 import stat
 import struct
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -46,7 +48,7 @@ from typing import Any, NamedTuple
 
 import xxhash
 
-from launcher.contract import ENV_SHM_DIR
+from launcher.contract import ENV_SHM_DIR, ENV_SHM_PRIVATE_DIR
 from launcher.errors import CheckpointError, StorageError
 
 logger = logging.getLogger(__name__)
@@ -211,31 +213,104 @@ def pinned_slots(headers: list[SlotHeader | None], pins: tuple[int, int]) -> set
 
 # -- where segments live ------------------------------------------------------------------
 _SHM_DIR: Path | None = None
+_CLAIMED = False  # this process resolves the directory itself (a supervisor): see claim_shm_dir
+
+
+def _base() -> Path:
+    return Path(os.environ.get(ENV_SHM_DIR, "/dev/shm"))
+
+
+def _private(path: Path) -> bool:
+    """Whether ``path`` (not followed) is a directory of this user with mode 0700: no
+    other user can create, replace or link anything in it."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+            and stat.S_IMODE(info.st_mode) == 0o700)
+
+
+def _handed_over(base: Path) -> Path | None:
+    """The directory this process's supervisor resolved and handed over in
+    ``$GEMINI_SHM_PRIVATE_DIR``, if it names one under ``base`` (a value set for another
+    base, inherited from elsewhere, is not this run's)."""
+    value = os.environ.get(ENV_SHM_PRIVATE_DIR, "")
+    path = Path(value)
+    if not value or path.parent != base or not path.name.startswith(f"{PREFIX}{os.geteuid()}"):
+        return None
+    return path
+
+
+def _existing(base: Path) -> Path | None:
+    """This user's private directory under ``base`` if one exists: ``gemini-<uid>``, else
+    the first by name of the fallbacks ``gemini-<uid>-<random>``. Found by what it is (a
+    directory of this user, mode 0700), which no other user can fake; never by name alone."""
+    uid = os.geteuid()
+    primary = base / f"{PREFIX}{uid}"
+    if _private(primary):
+        return primary
+    try:
+        with os.scandir(base) as entries:
+            names = sorted(e.name for e in entries if e.name.startswith(f"{PREFIX}{uid}-")
+                           and e.is_dir(follow_symlinks=False))
+    except OSError:
+        return None
+    return next((base / name for name in names if _private(base / name)), None)
+
+
+def find_shm_dir() -> Path | None:
+    """The directory segments live in if it exists, else None; creates nothing (for
+    readers: ``gemini inspect``, ``export``, ``clean``, a worker's lookups)."""
+    if _SHM_DIR is not None and _private(_SHM_DIR):
+        return _SHM_DIR
+    base = _base()
+    handed = None if _CLAIMED else _handed_over(base)
+    if handed is not None:
+        return handed if _private(handed) else None
+    return _existing(base)
 
 
 def shm_dir() -> Path:
-    """This user's private directory for segments: the first of ``<base>/gemini-<uid>``,
-    ``<base>/gemini-<uid>-1``, ... that is a directory of this user with mode 0700
-    (created so where absent), ``<base>`` being ``$GEMINI_SHM_DIR`` or ``/dev/shm``. A
-    name another user took first (a file, a link, a directory not ours) is reported and
-    skipped: it can delay nothing but the adoption of an earlier run's memory."""
+    """This user's private directory for segments, made where absent (mode 0700) under
+    ``$GEMINI_SHM_DIR`` or ``/dev/shm``. A worker uses the one its supervisor resolved
+    (``$GEMINI_SHM_PRIVATE_DIR``, see :func:`claim_shm_dir`), checked, and never resolves
+    one of its own. Otherwise: an existing one (:func:`_existing`), else ``gemini-<uid>``,
+    else, where another user took that name, a new ``gemini-<uid>-<random>`` (``mkdtemp``:
+    a name no one can take first)."""
     global _SHM_DIR
-    if _SHM_DIR is not None and not os.path.isdir(_SHM_DIR):
-        _SHM_DIR = None  # another run of this user removed it when it emptied: make it anew
-    if _SHM_DIR is None:
-        found = _private_dir(Path(os.environ.get(ENV_SHM_DIR, "/dev/shm")))
-        assert found is not None  # created
-        _SHM_DIR = found
+    if _SHM_DIR is not None and _private(_SHM_DIR):
+        return _SHM_DIR
+    base = _base()
+    handed = None if _CLAIMED else _handed_over(base)
+    if handed is not None:
+        if not _private(handed):
+            raise StorageError(f"the shared-memory directory {handed} that the supervisor "
+                               "made is gone or not a private directory of this user")
+        _SHM_DIR = handed
+        return handed
+    # A supervisor whose directory another run of the user removed when it emptied makes
+    # the same one anew first: its workers were handed that name.
+    _SHM_DIR = _resolve(base, _SHM_DIR)
     return _SHM_DIR
 
 
-def _private_dir(base: Path, *, create: bool = True) -> Path | None:
+def claim_shm_dir() -> Path:
+    """:func:`shm_dir` for a supervisor: resolved by this process (a directory named in
+    an inherited ``$GEMINI_SHM_PRIVATE_DIR`` is not its own), to be handed to its workers
+    (``launcher.slots.SlotOwner`` sets ``$GEMINI_SHM_PRIVATE_DIR``)."""
+    global _CLAIMED
+    _CLAIMED = True
+    return shm_dir()
+
+
+def _resolve(base: Path, previous: Path | None) -> Path:
     uid = os.geteuid()
-    for n in range(64):
-        path = base / (f"{PREFIX}{uid}" if n == 0 else f"{PREFIX}{uid}-{n}")
+    found = _existing(base)
+    if found is not None:
+        return found
+    for path in [p for p in (previous, base / f"{PREFIX}{uid}") if p is not None]:
         try:
-            if not create and not os.path.lexists(path):
-                return None
             os.mkdir(path, 0o700)
             os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
         except FileExistsError:
@@ -244,19 +319,31 @@ def _private_dir(base: Path, *, create: bool = True) -> Path | None:
             raise StorageError(f"the shared-memory directory {base} does not exist") from None
         except OSError as exc:
             raise StorageError(f"cannot create {path}: {exc.strerror}") from None
-        info = os.lstat(path)
-        if (stat.S_ISDIR(info.st_mode) and info.st_uid == uid
-                and stat.S_IMODE(info.st_mode) == 0o700):
+        if _private(path):
             return path
+        info = os.lstat(path)
         logger.warning("ignoring %s: not a private directory of this user (owner uid %d, "
                        "mode %o)", path, info.st_uid, info.st_mode)
-    raise StorageError(f"no private directory for shared memory in {base}: every "
-                       f"{PREFIX}{uid}[-N] name is taken by another user")
+    # gemini-<uid> is another user's: a fallback whose name nobody can take first
+    try:
+        made = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{uid}-", dir=base))
+        os.chmod(made, 0o700)
+    except OSError as exc:
+        raise StorageError(f"cannot create a private directory in {base}: "
+                           f"{exc.strerror}") from None
+    first = _existing(base)  # another run of the user made one at the same moment: share it
+    if first is not None and first != made:
+        try:
+            made.rmdir()
+            return first
+        except OSError:  # already in use
+            pass
+    return made
 
 
 def __getattr__(name: str) -> Any:
-    if name == "SHM_DIR":  # the directory segments live in, resolved when first needed
-        return shm_dir()
+    if name == "SHM_DIR":  # the directory segments live in (or would): looking creates nothing
+        return find_shm_dir() or _SHM_DIR or _base() / f"{PREFIX}{os.geteuid()}"
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -264,10 +351,11 @@ def release_shm_dir() -> None:
     """Remove this user's segment directory if it is empty (the last run on the host
     ended); a run still using it keeps it."""
     global _SHM_DIR
-    if _SHM_DIR is None:
+    where = _SHM_DIR or find_shm_dir()
+    if where is None:
         return
     try:
-        _SHM_DIR.rmdir()
+        where.rmdir()
     except OSError:  # not empty, or already gone
         return
     _SHM_DIR = None
@@ -277,8 +365,11 @@ def open_segment(name: str, flags: int) -> int:
     """A descriptor of segment ``name`` opened with ``flags``, after checking that it is
     what gemini creates: not a link (O_NOFOLLOW), a regular file owned by this user,
     mode 0600, one link, not empty. Anything else raises StorageError
-    (the caller reports it and leaves the file alone)."""
-    path = shm_dir() / name
+    (the caller reports it and leaves the file alone). Opening creates no directory."""
+    where = find_shm_dir()
+    if where is None:
+        raise StorageError(f"shared-memory segment {name} does not exist")
+    path = where / name
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -300,8 +391,7 @@ def open_segment(name: str, flags: int) -> int:
 
 def list_segments(prefix: str = PREFIX) -> list[str]:
     """Names of the segments in the shared-memory directory that start with ``prefix``."""
-    where = _SHM_DIR or _private_dir(Path(os.environ.get(ENV_SHM_DIR, "/dev/shm")),
-                                     create=False)
+    where = find_shm_dir()
     if where is None:  # no run has made it: nothing to list (and nothing created)
         return []
     try:
@@ -392,14 +482,12 @@ def create_segment(name: str, size: int) -> Segment:
     """Create (replacing any old file of that name) and pre-fault a segment of ``size``.
     It is made under a temporary name and renamed into place once sized, so that no
     reader ever opens it empty or half-allocated."""
-    global _SHM_DIR
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     temporary = f".creating-{os.getpid()}-{threading.get_native_id()}-{name}"
     try:
         fd = os.open(shm_dir() / temporary, flags, 0o600)
     except FileNotFoundError:  # another run on the host released the directory just now
-        _SHM_DIR = None
-        fd = os.open(shm_dir() / temporary, flags, 0o600)
+        fd = os.open(shm_dir() / temporary, flags, 0o600)  # made anew, same name first
     where = shm_dir()
     try:
         os.ftruncate(fd, size)
@@ -445,7 +533,9 @@ def take_reserved(reserved: Segment, name: str, size: int) -> Segment:
 
 def unlink_segment(name: str) -> None:
     """Remove a segment (idempotent); mappings stay valid until unmapped."""
-    (shm_dir() / name).unlink(missing_ok=True)
+    where = find_shm_dir()
+    if where is not None:
+        (where / name).unlink(missing_ok=True)
 
 
 # -- header --------------------------------------------------------------------------
@@ -539,10 +629,256 @@ def stream_verifier(buf: mmap.mmap, header: SlotHeader, meta: bytes) -> StreamVe
     against ``header.meta_hash`` first); CheckpointError if the metadata is bad."""
     if xxhash.xxh3_64_intdigest(meta) != header.meta_hash:
         raise CheckpointError("metadata checksum mismatch")
+    return StreamVerifier(buf, header.data_len, parse_meta(meta, header))
+
+
+
+# -- metadata schema -------------------------------------------------------------------
+# A checksum says the metadata is what its writer wrote, not that the writer was gemini:
+# a peer with the secret, a co-tenant of a persist directory, a bug. Every reader (restore,
+# replica receive, persisted files, inspect, export) gets the metadata from parse_meta,
+# which admits only what gemini writes, so the codec never meets a name, an index or a
+# size it did not make.
+
+#: The tensor element types a slot may hold, with their sizes in bytes: names as
+#: ``str(torch.<dtype>)`` gives them (no torch here: the codec maps them to dtypes).
+DTYPE_SIZES: dict[str, int] = {
+    "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4,
+    "int64": 8, "uint64": 8, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "complex32": 4, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
+    "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "float4_e2m1fn_x2": 1}
+MAX_META_DEPTH = 64
+"""Nesting of the state tree (a training state is a few levels deep)."""
+MAX_DIMS = 64
+_META_KEYS = frozenset({"step", "replicated", "sharded", "tensors", "blocks", "shared", "tree"})
+_ENTRY_KEYS = frozenset({"path", "dtype", "shape", "offset", "nbytes", "device", "xxh3"})
+_BLOCK_KEYS = frozenset({"offset", "nbytes", "xxh3"})
+_DTENSOR_KEYS = frozenset({"__dtensor__", "mesh", "placements", "shape", "stride"})
+_MARKERS = frozenset({"__tensor__", "__tuple__", "__items__", "__bytes__", "__dtype__"})
+_SCALAR_TYPES = (type(None), bool, int, float, str)
+_HEX64 = re.compile(r"[0-9a-f]{16}")
+_DEVICE = re.compile(r"[a-z]{1,16}(:[0-9]{1,4})?")
+_BASE64 = re.compile(r"[A-Za-z0-9+/]*={0,2}")
+_REDUCE = re.compile(r"[a-z_]{1,16}")
+
+
+class _Bad(Exception):
+    """A reason metadata is refused (turned into one CheckpointError by parse_meta)."""
+
+
+def parse_meta(raw: bytes, header: SlotHeader) -> dict[str, Any]:
+    """The metadata ``raw`` of the slot ``header`` describes, decoded and checked against
+    the schema gemini writes: known keys and types only, element types from
+    :data:`DTYPE_SIZES`, each tensor's shape times its element size equal to its bytes and
+    those bytes inside the slot's data, every tensor index of the tree and of the shared
+    list in range, the tree at most :data:`MAX_META_DEPTH` deep. Anything else raises
+    CheckpointError; nothing of it is interpreted."""
     try:
-        return StreamVerifier(buf, header.data_len, json.loads(meta))
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        meta = json.loads(raw)
+        _check_meta(meta, header)
+    except _Bad as exc:
         raise CheckpointError(f"malformed metadata: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, too deep, a 5000-digit int
+        raise CheckpointError(f"malformed metadata: {str(exc)[:200]}") from None
+    checked: dict[str, Any] = meta
+    return checked
+
+
+def _check_meta(meta: Any, header: SlotHeader) -> None:
+    if type(meta) is not dict:
+        raise _Bad(f"a JSON {type(meta).__name__}, not an object")
+    if not _META_KEYS.issuperset(meta) or "tensors" not in meta or "tree" not in meta:
+        raise _Bad(f"keys {sorted(meta)[:10]}")
+    if "step" in meta:
+        _int(meta["step"], "step", low=-1)
+    if any(type(meta.get(key, False)) is not bool for key in ("replicated", "sharded")):
+        raise _Bad("replicated or sharded is not true or false")
+    tensors = _list(meta["tensors"], "tensors")
+    for entry in tensors:
+        _check_entry(entry, header.data_len)
+    for block in _list(meta.get("blocks", []), "blocks"):
+        if type(block) is not dict or set(block) != _BLOCK_KEYS:
+            raise _Bad("a block is not {offset, nbytes, xxh3}")
+        _range(block, header.data_len, "a block")
+        _hex(block["xxh3"], "a block's xxh3")
+    shared = _list(meta.get("shared") or [], "shared")
+    _check_shared(shared, len(tensors) + len(shared), header.world_size)
+    _check_tree(meta["tree"], len(tensors) + len(shared))
+
+
+def _check_shared(shared: list[Any], count: int, world_size: int) -> None:
+    """The tensors another rank of the host keeps (``[index, owner, path, dtype, shape]``,
+    see ``launcher.codec.slot_tensors``): each index once, in range."""
+    indexes = set()
+    for item in shared:
+        if type(item) is not list or len(item) != 5:
+            raise _Bad("a shared tensor is not [index, owner, path, dtype, shape]")
+        index, owner, path, dtype, shape = item
+        indexes.add(_int(index, "a shared tensor's index", high=count - 1))
+        _int(owner, "a shared tensor's owner", high=max(world_size - 1, 0))
+        _str(path, "a shared tensor's path")
+        _elements(shape, "a shared tensor's shape")
+        _dtype(dtype)
+    if len(indexes) != len(shared):
+        raise _Bad("a shared tensor index repeats")
+
+
+def _check_entry(entry: Any, data_len: int) -> None:
+    if type(entry) is not dict or not _ENTRY_KEYS.issuperset(entry) or not (
+            _ENTRY_KEYS - {"device"}).issubset(entry):
+        raise _Bad("a tensor record is not {path, dtype, shape, offset, nbytes, device, xxh3}")
+    path = _str(entry["path"], "a tensor's path")
+    elements = _elements(entry["shape"], f"{path}: shape")
+    nbytes = _range(entry, data_len, path)
+    if elements * DTYPE_SIZES[_dtype(entry["dtype"])] != nbytes:
+        raise _Bad(f"{path}: {entry['shape']} x {entry['dtype']} is not {nbytes} bytes")
+    device = entry.get("device", "cpu")
+    if type(device) is not str or not _DEVICE.fullmatch(device):
+        raise _Bad(f"{path}: device {str(device)[:40]!r}")
+    if entry["xxh3"] is not None:
+        _hex(entry["xxh3"], f"{path}: xxh3")
+
+
+def _check_tree(tree: Any, count: int) -> None:
+    """The skeleton ``launcher.codec.flatten`` writes, with ``count`` tensors."""
+    stack: list[tuple[Any, int]] = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_META_DEPTH:
+            raise _Bad(f"the state tree is deeper than {MAX_META_DEPTH} levels")
+        if isinstance(node, _SCALAR_TYPES):
+            continue
+        stack.extend((child, depth + 1) for child in _children(node, count))
+
+
+def _children(node: Any, count: int) -> list[Any]:
+    """The nodes under the tree node ``node``, after checking ``node`` itself."""
+    if type(node) is list:
+        return node
+    if type(node) is not dict:
+        raise _Bad(f"a tree node is a {type(node).__name__}")
+    marker = [key for key in node if key.startswith("__")]
+    if not marker:  # a plain dict (flatten writes no other with such keys)
+        return list(node.values())
+    if "__dtensor__" in node:
+        _check_dtensor(node, count)
+        return []
+    if len(node) != 1 or marker[0] not in _MARKERS:
+        raise _Bad(f"a tree node with keys {sorted(node)[:4]}")
+    return _marked(marker[0], node[marker[0]], count)
+
+
+def _marked(marker: str, value: Any, count: int) -> list[Any]:
+    """The nodes under a node ``{marker: value}``, after checking ``value``."""
+    if marker == "__tuple__":
+        return [_list(value, "a tuple")]
+    if marker == "__items__":
+        pairs = _list(value, "a mapping")
+        if not all(type(p) is list and len(p) == 2 and _hashable(p[0]) for p in pairs):
+            raise _Bad("a mapping item is not [key, value] with a hashable key")
+        return pairs
+    if marker == "__tensor__":
+        _int(value, "a tensor index", high=count - 1)
+    elif marker == "__bytes__":
+        if type(value) is not str or not _BASE64.fullmatch(value) or len(value) % 4:
+            raise _Bad("bytes that are not base64")
+    else:
+        _dtype(value)
+    return []
+
+
+def _hashable(key: Any) -> bool:
+    """Whether the tree node ``key`` decodes to a valid dict key (a scalar, bytes, a dtype,
+    a tensor, or a tuple of those): what ``flatten`` writes for a key."""
+    if isinstance(key, _SCALAR_TYPES):
+        return True
+    if type(key) is not dict or len(key) != 1:
+        return False
+    if "__tuple__" in key:
+        return type(key["__tuple__"]) is list and all(map(_hashable, key["__tuple__"]))
+    return bool({"__bytes__", "__dtype__", "__tensor__"} & key.keys())
+
+
+def _check_dtensor(node: dict[str, Any], count: int) -> None:
+    if set(node) != _DTENSOR_KEYS:
+        raise _Bad(f"a DTensor node with keys {sorted(node)[:6]}")
+    _int(node["__dtensor__"], "a DTensor index", high=count - 1)
+    mesh = json.loads(_str(node["mesh"], "a device mesh"))
+    if type(mesh) is not list or len(mesh) != 3 or type(mesh[0]) is not str or type(
+            mesh[2]) is not list or not all(type(name) is str for name in mesh[2]):
+        raise _Bad("a device mesh is not [device type, ranks, dimension names]")
+    ranks: list[tuple[Any, int]] = [(mesh[1], 0)]
+    while ranks:
+        item, depth = ranks.pop()
+        if type(item) is list and depth < MAX_DIMS:
+            ranks.extend((value, depth + 1) for value in item)
+        else:
+            _int(item, "a device mesh rank")
+    for placement in _list(node["placements"], "placements"):
+        kind = placement[0] if type(placement) is list and placement else None
+        args = placement[1:] if kind is not None else []
+        if kind == "Shard" and len(args) == 1:
+            _int(args[0], "a Shard dimension", high=MAX_DIMS)
+        elif kind == "_StridedShard" and len(args) == 2:
+            _int(args[0], "a Shard dimension", high=MAX_DIMS)
+            _int(args[1], "a split factor", low=1)
+        elif kind == "Partial" and len(args) == 1 and type(args[0]) is str and (
+                _REDUCE.fullmatch(args[0])):
+            pass
+        elif kind != "Replicate" or args:
+            raise _Bad(f"a DTensor placement {str(placement)[:40]}")
+    _elements(node["shape"], "a DTensor shape")
+    _elements(node["stride"], "a DTensor stride")
+
+
+def _dtype(name: Any) -> str:
+    if type(name) is not str or name not in DTYPE_SIZES:
+        raise _Bad(f"element type {str(name)[:40]!r} is not one gemini saves")
+    return name
+
+
+def _int(value: Any, what: str, *, low: int = 0, high: int = (1 << 63) - 1) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise _Bad(f"{what} {str(value)[:40]} is not an integer in [{low}, {high}]")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if type(value) is not str:
+        raise _Bad(f"{what} is not a string")
+    return value
+
+
+def _list(value: Any, what: str) -> list[Any]:
+    if type(value) is not list:
+        raise _Bad(f"{what} is not a list")
+    return value
+
+
+def _hex(value: Any, what: str) -> None:
+    if type(value) is not str or not _HEX64.fullmatch(value):
+        raise _Bad(f"{what} is not 16 hex digits")
+
+
+def _elements(shape: Any, what: str) -> int:
+    """The number of elements of ``shape`` (a list of at most MAX_DIMS sizes)."""
+    if type(shape) is not list or len(shape) > MAX_DIMS:
+        raise _Bad(f"{what} is not a list of at most {MAX_DIMS} sizes")
+    count = 1
+    for size in shape:
+        count *= _int(size, what, high=1 << 62)
+    return count
+
+
+def _range(entry: dict[str, Any], data_len: int, what: str) -> int:
+    """``entry``'s byte count after checking that its bytes lie in the slot's data."""
+    start = _int(entry.get("offset"), f"{what}: offset")
+    nbytes = _int(entry.get("nbytes"), f"{what}: nbytes")
+    if start + nbytes > data_len:
+        raise _Bad(f"{what}: bytes {start}..{start + nbytes} outside the "
+                   f"{data_len} data bytes")
+    return nbytes
 
 
 def _aligned(n: int) -> int:
@@ -572,8 +908,7 @@ def read_meta(buf: mmap.mmap, header: SlotHeader) -> dict[str, Any]:
     raw = bytes(buf[header.meta_offset:end])
     if xxhash.xxh3_64_intdigest(raw) != header.meta_hash:
         raise CheckpointError("metadata checksum mismatch")
-    meta: dict[str, Any] = json.loads(raw)
-    return meta
+    return parse_meta(raw, header)
 
 
 def verify(buf: mmap.mmap, header: SlotHeader, meta: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 import time
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from launcher import memory
+from launcher.contract import ENV_SHM_PRIVATE_DIR
 from launcher.errors import CheckpointError, StorageError
 
 if TYPE_CHECKING:
@@ -97,7 +99,7 @@ class SlotOwner:
     def _claim(self) -> bool:
         """Take ownership of :attr:`prefix` (adopting a dead owner's segments); False if a
         live supervisor holds it and another id may be tried."""
-        path = memory.SHM_DIR / owner_name(self.prefix)
+        path = memory.claim_shm_dir() / owner_name(self.prefix)
         previous = read_owner(self.prefix)
         if previous is not None and previous.get("pid") != os.getpid() and owner_alive(previous):
             return self._busy(previous)
@@ -112,10 +114,15 @@ class SlotOwner:
         except FileExistsError:  # another supervisor claimed it a moment ago
             return False
         except FileNotFoundError:  # the last other run of this user removed the directory
-            path = memory.SHM_DIR / owner_name(self.prefix)  # just now: it is made anew
+            path = memory.claim_shm_dir() / owner_name(self.prefix)  # just now: made anew
             fd = os.open(path, flags, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(json.dumps(record))
+        # The workers use this directory, not one they would resolve for themselves: a
+        # name another user takes or frees meanwhile cannot send them elsewhere. The owner
+        # file keeps it from being removed as empty while the run lasts.
+        self.directory = path.parent
+        os.environ[ENV_SHM_PRIVATE_DIR] = str(self.directory)
         adopted = 0
         for name in memory.list_segments(self.prefix):
             parsed = memory.parse_slot_name(name)
@@ -128,9 +135,23 @@ class SlotOwner:
                 adopted += 1
             except StorageError as exc:
                 logger.warning("not adopting %s: %s", name, exc)
+                self._drop_empty(name)
         if adopted:
             logger.info("adopted %d shared-memory slots of run %s", adopted, self.run_id)
         return True
+
+    def _drop_empty(self, name: str) -> None:
+        """Remove a refused slot file of this run and host that is empty (a supervisor
+        killed while it made it): it holds nothing, and a worker looking for its slots
+        would otherwise trip over it. Anything else refused is left alone."""
+        path = self.directory / name
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_size == 0:
+            path.unlink(missing_ok=True)
+            logger.warning("removed the empty slot file %s", path)
 
     def _busy(self, owner: dict[str, Any]) -> bool:
         if self._fixed:
@@ -162,6 +183,8 @@ class SlotOwner:
                 reserved.close()
                 memory.unlink_segment(reserved.name)
             self._reserved.clear()
+            if os.environ.get(ENV_SHM_PRIVATE_DIR) == str(self.directory):
+                del os.environ[ENV_SHM_PRIVATE_DIR]  # handed to no later process
             if self._keep:
                 return
             for name in memory.list_segments(self.prefix):
