@@ -28,12 +28,14 @@ newest step) before it slows training down much.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -43,7 +45,7 @@ from launcher.errors import ConfigError, ReplicationError, StoreError
 from launcher.events import EventLog
 from launcher.priority import IdleGate, lower_priority
 from launcher.replication import placement, progress, transport
-from launcher.store import Store
+from launcher.store import Lease, Store
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ class SlotKeeper(transport.SlotSource, Protocol):
 
     copies: int
     """Copies of each rank's state the host keeps (its own and its peers' replicas)."""
+    local_world_size: int
+    """The host's local ranks."""
 
     def segments(self, *, replica: bool = False) -> dict[int, list[memory.Segment]]:
         """The host's own slots by rank (or, with ``replica``, its peers' it keeps)."""
@@ -83,36 +87,155 @@ MIN_RATE = 64 << 20  # bytes/s: pacing never drops below this
 MIN_POLL, MAX_POLL, POLL_SHARE = 0.002, 0.05, 0.05
 STORE_POLL = 0.05  # seconds between two reads of the replication plan or reports
 REPORT_EVERY = 30.0  # seconds between two ``replication_progress`` events
+# Steps hosts' commits may be apart (a push's step against the receiver's newest commit),
+# beyond the plan's margin and spacing: see transport.Admission.ahead.
+STEPS_APART = 256
 
 
 MAX_SECRET = 4096  # bytes of a --secret-file
+MIN_SECRET_BITS = 128  # of random material a --secret-file must hold, at the least
+MIN_SECRET_SYMBOLS = 6  # different bytes in it: a random one has 9 or more
+SECRET_TTL = 30.0  # seconds a crashed supervisor's hold on the run's secret outlives it
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_BASE64 = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/-_")
 
 
-def load_secret(secret_file: str, store: Store, run_id: str) -> bytes:
-    """The run's replication secret: from ``secret_file``, or created once at random and
-    shared through the coordination store (the first supervisor to ask creates it)."""
-    if secret_file:
-        try:
-            with open(Path(secret_file).expanduser(), "rb") as fh:
-                secret = fh.read(MAX_SECRET + 1)  # bounded: the file may be /dev/zero
-        except OSError as exc:
-            raise ConfigError(f"cannot read the secret file {secret_file}: "
-                              f"{exc.strerror or exc}") from None
-        if len(secret) > MAX_SECRET:
-            raise ConfigError(f"secret file {secret_file}: longer than {MAX_SECRET} bytes")
-        secret = secret.strip()
-        if len(secret) < 16:
-            raise ConfigError(f"secret file {secret_file}: need at least 16 bytes of secret")
-        return secret
-    key = secret_key(run_id)
+def secret_bits(secret: bytes) -> int:
+    """The bits of random material ``secret`` (a --secret-file's stripped contents) holds
+    at most, from its alphabet: 4 a hex digit, 6 a base64 or other printable character,
+    8 a byte otherwise. The transport's handshake makes the client prove first, so a rogue
+    server (a peer's address taken over) can test guesses of the secret offline: only
+    enough material, not the handshake, stops that."""
+    symbols = secret.rstrip(b"=")
+    if symbols and all(c in _HEX for c in symbols):
+        return 4 * len(symbols)
+    if all(c in _BASE64 or 0x20 <= c < 0x7F for c in symbols):
+        return 6 * len(symbols)
+    return 8 * len(symbols)
+
+
+def read_secret_file(secret_file: str) -> bytes:
+    """The secret a --secret-file holds (stripped of surrounding white space); refused
+    unless it holds at least :data:`MIN_SECRET_BITS` bits of material (32 hex digits, 22
+    base64 characters, 16 random bytes: ``head -c 32 /dev/urandom | base64`` makes one)."""
     try:
-        store.compare_and_set(key, None, secrets.token_hex(32).encode())
-        value = store.get(key)
+        with open(Path(secret_file).expanduser(), "rb") as fh:
+            secret = fh.read(MAX_SECRET + 1)  # bounded: the file may be /dev/zero
+    except OSError as exc:
+        raise ConfigError(f"cannot read the secret file {secret_file}: "
+                          f"{exc.strerror or exc}") from None
+    if len(secret) > MAX_SECRET:
+        raise ConfigError(f"secret file {secret_file}: longer than {MAX_SECRET} bytes")
+    secret = secret.strip()
+    bits = secret_bits(secret)
+    if bits < MIN_SECRET_BITS or len(set(secret)) < MIN_SECRET_SYMBOLS:
+        raise ConfigError(f"secret file {secret_file}: too weak ({len(secret)} bytes, at most "
+                          f"{bits} bits of random material, {len(set(secret))} different "
+                          f"bytes); it needs {MIN_SECRET_BITS} bits, e.g. 32 hex digits or 22 "
+                          f"base64 characters: make one with "
+                          f"`head -c 32 /dev/urandom | base64`")
+    return secret
+
+
+def load_secret(secret_file: str, store: Store, run_id: str, *,
+                lease: Lease | None = None) -> bytes:
+    """The run's replication secret: from ``secret_file``, or created once at random and
+    shared through the coordination store (the first supervisor to ask creates it).
+
+    A stored secret is reused only while a supervisor that holds it lives: the record
+    names the leases of its holders, each of which keeps a key of its own bound to its
+    lease (``secret-holders/<lease>``). A secret none of whose holders lives is a crashed
+    run's (the last supervisor of a run that ends deletes it): it is replaced, so that a
+    later run of the same id never reuses it. Every change of the record is a
+    compare-and-set, so supervisors starting together agree on one secret. ``lease`` is
+    the supervisor's own (its hold ends with it); without one, a lease of
+    :data:`SECRET_TTL` seconds is kept alive until the store is closed."""
+    if secret_file:
+        return read_secret_file(secret_file)
+    try:
+        if lease is None:
+            lease = store.grant_lease(SECRET_TTL)
+            store.keep_alive(lease)  # stopped by store.close(); expires with this process
+        return _hold_secret(store, run_id, lease)
     except StoreError as exc:
         raise StoreError(f"cannot share the replication secret: {exc}") from None
-    if not value:
-        raise StoreError("the replication secret vanished from the store")
-    return value
+
+
+def hold_secret(store: Store, run_id: str, lease: Lease, *, replaces: int) -> None:
+    """Hold the run's stored secret with ``lease`` instead of the lease ``replaces`` (a
+    supervisor whose lease expired in a store outage and was replaced), so that a host
+    joining later still finds it held. Nothing changes when ``replaces`` held no secret."""
+    key = secret_key(run_id)
+    store.put(_holder_key(run_id, lease.id), b"1", lease=lease)
+    for _ in range(_CAS_TRIES):
+        value = store.get(key)
+        record = _secret_record(value)
+        if record is None or replaces not in record[1]:
+            return
+        leases = [lid for lid in record[1] if lid != replaces] + [lease.id]
+        if store.compare_and_set(key, value, _dump_secret(record[0], leases)):
+            return
+
+
+_CAS_TRIES = 64  # compare-and-set rounds: each lost one means another supervisor moved
+
+
+def _holder_key(run_id: str, lease_id: int) -> str:
+    return f"{secret_key(run_id)}-holders/{lease_id:x}"
+
+
+def _secret_record(value: bytes | None) -> tuple[bytes, list[int]] | None:
+    """The secret and its holders' leases that a stored record names, or None (missing,
+    or written by another version: replaced)."""
+    if value is None:
+        return None
+    try:
+        record = json.loads(value)
+        secret, leases = record["secret"].encode(), record["leases"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if len(secret) < transport.MIN_SECRET or not isinstance(leases, list) or not all(
+            type(lid) is int for lid in leases):
+        return None
+    return secret, leases
+
+
+def _dump_secret(secret: bytes, leases: list[int]) -> bytes:
+    return json.dumps({"secret": secret.decode(), "leases": leases}).encode()
+
+
+def _hold_secret(store: Store, run_id: str, lease: Lease) -> bytes:
+    key = secret_key(run_id)
+    store.put(_holder_key(run_id, lease.id), b"1", lease=lease)  # first: see load_secret
+    for _ in range(_CAS_TRIES):
+        value = store.get(key)
+        record = _secret_record(value)
+        live = {int(k.rsplit("/", 1)[-1], 16)
+                for k in store.get_prefix(f"{key}-holders/")}
+        holders = [lid for lid in record[1] if lid in live] if record is not None else []
+        if record is not None and holders:
+            if lease.id in holders:
+                return record[0]
+            if store.compare_and_set(key, value, _dump_secret(record[0], [*holders, lease.id])):
+                return record[0]
+            continue
+        if record is not None:
+            logger.info("replication: the stored secret of run %s is held by no live "
+                        "supervisor (a crashed run's): making a new one", run_id)
+        secret = secrets.token_hex(32).encode()
+        if store.compare_and_set(key, value, _dump_secret(secret, [lease.id])):
+            return secret
+    raise StoreError("the replication secret keeps changing in the store")
+
+
+def _addresses_of(host: str) -> set[str]:
+    """The IP addresses ``host`` (an address or a name) stands for: where a peer's
+    connections come from. Empty when it cannot be resolved."""
+    try:
+        return {str(info[4][0]) for info in socket.getaddrinfo(host.strip("[]"), None,
+                                                               type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return set()
 
 
 def address_towards(host: str) -> str | None:
@@ -161,9 +284,16 @@ class ReplicationService:
         self._answered: tuple[str, int] | None = None  # (round, target) reported done
         self._reported = 0.0  # monotonic time of the last replication_progress event
         self._store_down = False
+        # no push is taken before the first round says which (transport.Admission); a
+        # hard rate limit of the peers' (the same flag on every host) lowers the rate a
+        # push must keep
+        min_rate = transport.MIN_PUSH_RATE if rate_limit <= 0 else min(
+            transport.MIN_PUSH_RATE, rate_limit / 4)
+        self._admission = transport.Admission()
         self.server = transport.Server(owner, secret=secret, run_id=run_id, host=bind[0],
                                        port=bind[1], on_reject=self._on_reject,
-                                       nice=PACED_NICE if pace else 0)
+                                       nice=PACED_NICE if pace else 0,
+                                       admission=self._admission, min_rate=min_rate)
         self.address: tuple[str, int] = (advertise, self.server.address[1])
         self._lock = threading.Lock()
         self._holders: list[tuple[str, int]] = []
@@ -193,12 +323,24 @@ class ReplicationService:
         self._running.clear()
 
     def set_round(self, node: int, nodes: int, addresses: Mapping[int, tuple[str, int] | None],
-                  *, round_id: str, restored: int) -> None:
+                  *, round_id: str, restored: int,
+                  ranks: Mapping[int, Collection[int]] | None = None) -> None:
         """Adopt the placement of a new round (``round_id``, the same on every host) and
-        resume replicating; the round's leader publishes its first plan."""
+        resume replicating; the round's leader publishes its first plan. ``ranks`` are the
+        global ranks of each node (default: ``local_world_size`` consecutive ranks per
+        node, torch's assignment when every host runs as many): this host's server takes
+        pushes only of the ranks of the nodes whose replicas it keeps."""
         layout = placement.plan(nodes, self.replicas)
         self.owner.copies = layout.replicas
         holders = [a for n in layout.holders(node) if (a := addresses.get(n)) is not None]
+        width = self.owner.local_world_size
+        of = {n: frozenset(ranks[n]) if ranks is not None and n in ranks
+              else frozenset(range(n * width, (n + 1) * width)) for n in range(nodes)}
+        kept = frozenset(r for n in layout.kept_by(node) for r in of[n]) if nodes > 1 \
+            else frozenset()
+        world = sum(len(r) for r in of.values()) if ranks is not None else 0
+        peers = frozenset(ip for n, a in addresses.items() if n != node and a is not None
+                          for ip in _addresses_of(str(a[0])))
         with self._lock:
             self._holders = [(str(h), int(p)) for h, p in holders]
             for address in list(self._clients):
@@ -213,6 +355,10 @@ class ReplicationService:
                 self.owner.pin_own(rank, restored if nodes > 1 else -1, -1)
             self._plan, self._plan_read, self._answered = None, 0.0, None
             self.server.round = round_id
+            self.server.peers = peers
+            self._admit(transport.Admission(
+                round=round_id, ranks=kept, world_size=world, low=restored, target=-1,
+                ahead=2 * (progress.MAX_MARGIN + max(self.every, 1)) + STEPS_APART))
         if node == 0 and nodes > 1:
             interval = min(self._interval.values(), default=None)
             plan = progress.first_plan(round_id, newest=restored, interval=interval,
@@ -412,6 +558,7 @@ class ReplicationService:
         if written:
             if self._plan is None or plan.target != self._plan.target:
                 self._began = None
+                self._admit_target(plan)
             self._plan, self._plan_read = plan, time.monotonic()
 
     def _read_plan(self, round_id: str) -> progress.Plan | None:
@@ -424,9 +571,18 @@ class ReplicationService:
             if plan is not None and plan.round == round_id and plan != self._plan:
                 if self._plan is None or plan.target != self._plan.target:
                     self._began = None
+                    self._admit_target(plan)
                 self._plan = plan
         plan = self._plan
         return plan if plan is not None and plan.round == round_id else None
+
+    def _admit(self, admission: transport.Admission) -> None:
+        self._admission = self.server.admission = admission
+
+    def _admit_target(self, plan: progress.Plan) -> None:
+        """Pushes of steps up to near ``plan``'s target are taken from now on."""
+        if plan.round == self._admission.round and plan.target > self._admission.target:
+            self._admit(dataclasses.replace(self._admission, target=plan.target))
 
     def _store_call(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` on the coordination store; None (once logged) while it is away:

@@ -121,6 +121,15 @@ REUSE_WAIT = 1.0
 """Seconds a receiver waits for its own ranks to commit the step a data-parallel peer pushes."""
 MAX_SKIP = 2048
 """Most skipped ranges one reply names (adjacent ranges are merged first)."""
+REPLICA_SLACK = 4
+"""A replica slot may be at most this many times this host's largest own slot (see
+:class:`Admission`): gemini's memory model takes a peer's state to be as large as one's own."""
+MIN_PUSH_RATE = 16 << 20
+"""Bytes/s a push's data must average (see :class:`Server`): a quarter of the slowest a
+paced sender goes (``replication.service.MIN_RATE``)."""
+PUSH_GRACE = 10.0
+"""Seconds a push's data may take beyond its bytes at :data:`MIN_PUSH_RATE` (pacing waits
+for idle workers up to ``replication.service.MAX_GATE`` seconds first)."""
 
 _SERVER_PROOF = b"gemini-transport server proof"
 _CLIENT_PROOF = b"gemini-transport client proof"
@@ -145,6 +154,52 @@ class SlotSource(Protocol):
     def segments(self, *, replica: bool = False) -> dict[int, list[memory.Segment]]:
         """The mapped own slots (or replica slots) per rank."""
         ...
+
+    def own_slot_bytes(self) -> int:
+        """The size of this host's largest own slot (0 before any)."""
+        ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class Admission:
+    """Which pushes a :class:`Server` takes: those a member of the current replication
+    round sends under its placement. A push with the secret is still refused unless it
+    names this round, a rank this host keeps a replica of, a step near the round's plan
+    and a size near this host's own slots: an insider cannot pin steps far ahead nor
+    fill this host's shared memory (see :meth:`Server._admit`)."""
+
+    round: str = ""
+    """The round pushes must name; "" (before the first round): every push is refused."""
+    ranks: frozenset[int] = frozenset()
+    """The ranks whose replicas this host keeps in the round's placement."""
+    world_size: int = 0
+    """The world size pushes must state (0: not checked)."""
+    low: int = -1
+    """The oldest step a push may carry: the step the round restored."""
+    target: int = -1
+    """The newest target this host knows of the round's plan."""
+    ahead: int = 0
+    """Steps a push may be past ``target`` or past this host's own newest committed step
+    (the plan it knows may be one behind, and hosts commit a few steps apart)."""
+
+    def refusal(self, request: PutRequest, newest: int) -> str | None:
+        """Why ``request`` is refused, or None; ``newest`` is this host's own newest
+        committed step (-1: none)."""
+        header = request.header
+        if not self.round:
+            return "this host is in no replication round yet"
+        if request.round != self.round:
+            return f"push from round {request.round!r}, but this host is in round {self.round}"
+        if header.rank not in self.ranks:
+            return f"this host keeps no replica of rank {header.rank} in round {self.round}"
+        if self.world_size and header.world_size != self.world_size:
+            return f"world size {header.world_size}, but round {self.round} has {self.world_size}"
+        high = max(self.target, self.low, newest) + self.ahead
+        if not self.low <= header.step <= high:
+            return f"step {header.step} is outside round {self.round}'s steps {self.low}..{high}"
+        if request.keep > header.step:
+            return f"keep step {request.keep} is after the pushed step {header.step}"
+        return None
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -383,10 +438,13 @@ def _header_run_id(run_id: str) -> str:
 # -- socket I/O -----------------------------------------------------------------------
 
 _PREALLOCATE = 64 << 10  # bytes of a frame allocated before any of it arrived
-MAX_AUTHENTICATING = 32  # connections in the handshake, in all
-MAX_AUTHENTICATING_PER_SOURCE = 4  # ... and from one address
+MAX_AUTHENTICATING = 32  # connections in the handshake from unknown addresses, in all
+MAX_AUTHENTICATING_PER_SOURCE = 4  # ... and from one address (a known peer's included)
+MAX_CONNECTIONS_PER_SOURCE = 16  # authenticated connections from one address
 REPORT_INTERVAL = 10.0  # seconds
 REPORTS_PER_SOURCE = 10  # rejections of one address logged and reported per interval
+REPORTS_TOTAL = 20  # ... and of all addresses together
+MAX_REPORT_SOURCES = 1024  # addresses whose rejections are counted one by one
 
 
 # Complexity above 10: every timeout and close case of a read.
@@ -442,13 +500,15 @@ def _sendall(sock: socket.socket, data: bytes, timeout: float) -> None:
         raise _Broken(f"connection lost: {exc}") from None
 
 
-def _recv_data(sock: socket.socket, view: memoryview, timeout: float,
+# Complexity above 10: every timeout and close case of the data.
+def _recv_data(sock: socket.socket, view: memoryview, timeout: float,  # noqa: C901
                verifier: memory.StreamVerifier,
-               ranges: list[tuple[int, int]] | None = None) -> None:
+               ranges: list[tuple[int, int]] | None = None, *,
+               deadline: float | None = None) -> None:
     """Fill ``ranges`` of ``view`` (all of it by default) from ``sock``, in order, at
     most :data:`RECV_LOWAT` bytes at a time, each checked by ``verifier`` while it is in
     the cache; ``timeout`` bounds each wait for the next :data:`RECV_LOWAT` bytes (or
-    the rest, when fewer are left)."""
+    the rest, when fewer are left), ``deadline`` (monotonic time) the whole."""
     n = sum(end - start for start, end in ranges) if ranges is not None else len(view)
     got = 0
     lowat = 1
@@ -461,6 +521,12 @@ def _recv_data(sock: socket.socket, view: memoryview, timeout: float,
                 if want != lowat:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                     lowat = want
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ReplicationError(f"data too slow: {got} of {n} bytes by the "
+                                               "push's deadline")
+                    sock.settimeout(min(timeout, left))
                 k = sock.recv_into(view[at:end], want)
                 if k == 0:
                     raise _Broken(f"truncated data: peer closed after {got} of {n} bytes")
@@ -470,6 +536,9 @@ def _recv_data(sock: socket.socket, view: memoryview, timeout: float,
         if lowat != 1:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
     except TimeoutError:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ReplicationError(f"data too slow: {got} of {n} bytes by the push's "
+                                   "deadline") from None
         raise ReplicationError(f"data stalled for {timeout} s after {got} of {n} bytes") from None
     except OSError as exc:
         raise _Broken(f"connection lost after {got} of {n} data bytes: {exc}") from None
@@ -749,6 +818,15 @@ class _HeldBytes:
         return filled
 
 
+def _committed(segment: memory.Segment) -> memory.SlotHeader | None:
+    """The header of the step ``segment`` holds committed, or None."""
+    try:
+        header = memory.read_header(segment.view)
+    except (ValueError, StorageError):  # unmapped meanwhile (a regrow), or torn
+        return None
+    return header if header is not None and header.state is memory.SlotState.COMMITTED else None
+
+
 def _skipped(ranges: list[tuple[int, int, int]], filled: list[int]
              ) -> tuple[list[tuple[int, int]], list[int]]:
     """The data ranges to skip on the wire, from the ``filled`` ones (indices into
@@ -782,12 +860,16 @@ class Server:
                  on_reject: Callable[[str, str], None] | None = None,
                  on_replica: Callable[[int, int], None] | None = None,
                  timeout: float = 30.0, handshake_timeout: float = 2.0,
-                 idle_timeout: float = 600.0, max_connections: int = 64, nice: int = 0) -> None:
+                 idle_timeout: float = 600.0, max_connections: int = 64, nice: int = 0,
+                 admission: Admission | None = None, min_rate: float = MIN_PUSH_RATE) -> None:
         """Listen on ``host:port`` (0: any free port, see :attr:`address`). ``timeout``
         bounds every wait once a frame or the data has started, ``handshake_timeout`` the
         whole handshake, ``idle_timeout`` the wait for a client's next request; a connection
         thread that receives pushes runs at niceness ``nice`` (see :func:`lower_priority`),
-        one that serves pulls (a host restoring) at full priority."""
+        one that serves pulls (a host restoring) at full priority. ``admission`` says which
+        pushes are taken (see :attr:`admission`); a push's data must average ``min_rate``
+        bytes/s (after :data:`PUSH_GRACE` seconds), so that no slow sender holds a rank's
+        replica slots for long."""
         _check_secret(secret)
         self.slots = slots
         self.run_id = run_id
@@ -801,13 +883,22 @@ class Server:
         self._on_replica = on_replica
         self.round = ""
         """The replication round this host is in: pushes from another one are refused."""
+        self.admission = admission
+        """Which pushes are taken (:class:`Admission`); None takes every push of a rank
+        below its world size (tools and tests: a supervisor always sets one)."""
+        self.peers: frozenset[str] = frozenset()
+        """The source addresses of the round's members: connections from them have
+        handshake room of their own (see :meth:`_refusal`)."""
+        self.min_rate = min_rate
         self._lock = threading.Lock()
         self._rank_locks: dict[int, threading.Lock] = {}
         self._reuse = _HeldBytes(slots)
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._authenticating: dict[str, int] = {}  # source address -> connections
-        self._authenticated = 0
+        self._authenticated: dict[socket.socket, str] = {}  # connection -> source address
+        self._idle: dict[socket.socket, float] = {}  # authenticated, between requests: since
         self._reports: dict[str, tuple[float, int, int]] = {}  # source -> (since, told, quiet)
+        self._reported: tuple[float, int, int] = (0.0, 0, 0)  # all sources: the same
         self._closed = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
@@ -869,30 +960,74 @@ class Server:
     def _refusal(self, source: str) -> str | None:
         """Why a new connection from ``source`` is refused (under the lock), or None. Peers
         that have not proven the secret yet have their own budget, per source and in all,
-        so that they can never crowd out the authenticated ones."""
-        if sum(self._authenticating.values()) >= MAX_AUTHENTICATING:
+        so that they can never crowd out the authenticated ones; the round's members
+        (:attr:`peers`) have room of their own beside the strangers' (a flood from many
+        addresses fills only the strangers' budget)."""
+        if source not in self.peers and sum(
+                n for s, n in self._authenticating.items() if s not in self.peers
+        ) >= MAX_AUTHENTICATING:
             return f"too many connections still authenticating ({MAX_AUTHENTICATING})"
         if self._authenticating.get(source, 0) >= MAX_AUTHENTICATING_PER_SOURCE:
             return (f"too many connections from {source} still authenticating "
                     f"({MAX_AUTHENTICATING_PER_SOURCE})")
-        if self._authenticated >= self.max_connections:
-            return f"too many connections ({self.max_connections})"
+        return None
+
+    def _room(self, conn: socket.socket, source: str) -> str | None:
+        """Make room for a connection from ``source`` that just authenticated (under the
+        lock): at most :data:`MAX_CONNECTIONS_PER_SOURCE` from one address and
+        :attr:`max_connections` in all. When full, the connection idle the longest (of
+        this source, else of the source with the most) is closed: a peer that left
+        connections idle, or reconnects, is never locked out by them; a client whose idle
+        connection is closed opens a new one. Why none could be made, or None."""
+        mine = [c for c, s in self._authenticated.items() if s == source]
+        if len(mine) >= MAX_CONNECTIONS_PER_SOURCE:
+            victims = mine
+        elif len(self._authenticated) >= self.max_connections:
+            counts: dict[str, int] = {}
+            for s in self._authenticated.values():
+                counts[s] = counts.get(s, 0) + 1
+            most = max(counts.values())
+            victims = [c for c, s in self._authenticated.items() if counts[s] == most]
+        else:
+            victims = []
+        if victims:
+            idle = [c for c in victims if c in self._idle]
+            if not idle:
+                return (f"too many connections from {source} ({MAX_CONNECTIONS_PER_SOURCE})"
+                        if victims is mine else f"too many connections ({self.max_connections})")
+            oldest = min(idle, key=self._idle.__getitem__)
+            del self._authenticated[oldest], self._idle[oldest]
+            try:
+                oldest.shutdown(socket.SHUT_RDWR)  # its thread sees a clean close
+            except OSError:
+                pass
+        self._authenticated[conn] = source
         return None
 
     def _reject(self, peer: str, reason: str) -> None:
         """Log and report a rejection: at most :data:`REPORTS_PER_SOURCE` per source
-        address every :data:`REPORT_INTERVAL` seconds, then one line with the count."""
+        address and :data:`REPORTS_TOTAL` in all every :data:`REPORT_INTERVAL` seconds;
+        the next one reported says how many were not. The table of sources is pruned
+        every interval and holds at most :data:`MAX_REPORT_SOURCES` (the others count
+        against the total only)."""
         source, now = peer.rpartition(":")[0], time.monotonic()
         with self._lock:
-            since, told, quiet = self._reports.get(source, (now, 0, 0))
+            since, told, quiet = self._reported
             if now - since >= REPORT_INTERVAL:
-                since, told, quiet = now, 0, quiet  # a new interval; say what was kept quiet
-            if told >= REPORTS_PER_SOURCE:
-                self._reports[source] = (since, told, quiet + 1)
+                since, told = now, 0
+                self._reports = {s: r for s, r in self._reports.items()
+                                 if now - r[0] < REPORT_INTERVAL}
+            first, told_source, _ = self._reports.get(source, (now, 0, 0))
+            if now - first >= REPORT_INTERVAL:
+                first, told_source = now, 0
+            known = source in self._reports or len(self._reports) < MAX_REPORT_SOURCES
+            if told >= REPORTS_TOTAL or told_source >= REPORTS_PER_SOURCE or not known:
+                self._reported = (since, told, quiet + 1)
                 return
-            self._reports[source] = (since, told + 1, 0)
+            self._reported = (since, told + 1, 0)
+            self._reports[source] = (first, told_source + 1, 0)
         if quiet:
-            reason += f" (and {quiet} more rejections of {source} not reported)"
+            reason += f" (and {quiet} more rejections not reported)"
         logger.warning("transport: rejected %s: %s", peer, reason)
         if self._on_reject is not None:
             try:
@@ -902,7 +1037,7 @@ class Server:
 
     # Complexity above 10: one connection's states, in order.
     def _serve(self, conn: socket.socket, peer: str, source: str) -> None:  # noqa: C901
-        authenticated = lowered = False
+        lowered = False
         try:
             try:
                 try:
@@ -910,7 +1045,6 @@ class Server:
                 except OSError as exc:
                     raise _Broken(f"connection lost: {exc}", clean=True) from None
                 channel = self._authenticate(conn)
-                authenticated = True
             finally:
                 with self._lock:
                     left = self._authenticating.get(source, 1) - 1
@@ -918,13 +1052,24 @@ class Server:
                         self._authenticating[source] = left
                     else:
                         self._authenticating.pop(source, None)
-                    self._authenticated += authenticated
+            with self._lock:
+                full = self._room(conn, source)
+            if full is not None:
+                self._try_reply(channel, {"ok": False, "error": full})
+                raise ReplicationError(full)
             while not self._closed:
+                with self._lock:
+                    if conn not in self._authenticated:  # closed to make room
+                        return
+                    self._idle[conn] = time.monotonic()
                 try:
                     message, blob = channel.recv(idle=self.idle_timeout)
                 except _Idle:
                     logger.debug("transport: closing idle connection from %s", peer)
                     return
+                finally:
+                    with self._lock:
+                        self._idle.pop(conn, None)
                 try:
                     request = parse_request(message, blob, run_id=self.run_id)
                 except ReplicationError as exc:
@@ -949,7 +1094,8 @@ class Server:
             logger.exception("transport: unexpected error serving %s", peer)
         finally:
             with self._lock:
-                self._authenticated -= authenticated
+                self._authenticated.pop(conn, None)
+                self._idle.pop(conn, None)
                 self._conns.pop(conn, None)
                 conn.close()
 
@@ -986,6 +1132,25 @@ class Server:
         except ReplicationError:
             pass
 
+    def _admit(self, request: PutRequest) -> str | None:
+        """Why a push is refused before anything is allocated or pinned, or None."""
+        admission = self.admission
+        if admission is None:
+            if request.round and self.round and request.round != self.round:
+                return f"push from round {request.round}, but this host is in round {self.round}"
+            return None
+        newest = max((h.step for segments in self.slots.segments().values() for seg in segments
+                      if (h := _committed(seg)) is not None), default=-1)
+        refused = admission.refusal(request, newest)
+        if refused is not None:
+            return refused
+        own = self.slots.own_slot_bytes()
+        size = memory.slot_size(request.header.data_len, len(request.meta))
+        if size > REPLICA_SLACK * own:
+            return (f"a replica of rank {request.header.rank} would take {size} bytes, more than "
+                    f"{REPLICA_SLACK} x this host's own slots ({own} bytes)")
+        return None
+
     def _rank_lock(self, rank: int) -> threading.Lock:
         with self._lock:
             return self._rank_locks.setdefault(rank, threading.Lock())
@@ -1006,9 +1171,9 @@ class Server:
     # Complexity above 10: one check per reason to refuse a push.
     def _put(self, channel: _Channel, request: PutRequest, peer: str) -> None:  # noqa: C901
         header = request.header
-        if request.round and self.round and request.round != self.round:
-            channel.send({"ok": False, "error": f"push from round {request.round}, but this "
-                          f"host is in round {self.round}"})
+        refused = self._admit(request)
+        if refused is not None:
+            channel.send({"ok": False, "error": refused})
             return
         lock = self._rank_lock(header.rank)
         if not lock.acquire(timeout=self.timeout):
@@ -1042,10 +1207,15 @@ class Server:
             skip, covered = _skipped(verifier.ranges(), self._reuse.fill(buf, header, verifier))
             verifier.trust(covered)
             channel.send({"ok": True, "skip": [list(r) for r in skip]} if skip else {"ok": True})
+            ranges = _complement(skip, header.data_len) if skip else None
+            wanted = sum(end - start for start, end in ranges) if ranges is not None \
+                else header.data_len
+            # the whole data within a deadline: a trickle would keep the rank's lock
+            deadline = time.monotonic() + PUSH_GRACE + wanted / self.min_rate
             with memoryview(buf) as whole, \
                     whole[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len] as data:
-                _recv_data(channel.sock, data, self.timeout, verifier,
-                           _complement(skip, header.data_len) if skip else None)
+                _recv_data(channel.sock, data, self.timeout, verifier, ranges,
+                           deadline=deadline)
             stable = parse_trailer(channel.recv()[0])
             if not stable:
                 channel.send({"ok": True, "aborted": True})
