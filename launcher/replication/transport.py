@@ -861,15 +861,16 @@ class Server:
                  on_replica: Callable[[int, int], None] | None = None,
                  timeout: float = 30.0, handshake_timeout: float = 2.0,
                  idle_timeout: float = 600.0, max_connections: int = 64, nice: int = 0,
-                 admission: Admission | None = None, min_rate: float = MIN_PUSH_RATE) -> None:
+                 admission: Admission | None = None, min_rate: float = MIN_PUSH_RATE,
+                 push_grace: float = PUSH_GRACE) -> None:
         """Listen on ``host:port`` (0: any free port, see :attr:`address`). ``timeout``
         bounds every wait once a frame or the data has started, ``handshake_timeout`` the
         whole handshake, ``idle_timeout`` the wait for a client's next request; a connection
         thread that receives pushes runs at niceness ``nice`` (see :func:`lower_priority`),
         one that serves pulls (a host restoring) at full priority. ``admission`` says which
-        pushes are taken (see :attr:`admission`); a push's data must average ``min_rate``
-        bytes/s (after :data:`PUSH_GRACE` seconds), so that no slow sender holds a rank's
-        replica slots for long."""
+        pushes are taken (see :attr:`admission`); a push's data must arrive within
+        ``push_grace`` seconds plus its bytes at ``min_rate`` bytes/s, so that no slow
+        sender holds a rank's replica slots for long."""
         _check_secret(secret)
         self.slots = slots
         self.run_id = run_id
@@ -890,6 +891,7 @@ class Server:
         """The source addresses of the round's members: connections from them have
         handshake room of their own (see :meth:`_refusal`)."""
         self.min_rate = min_rate
+        self.push_grace = push_grace
         self._lock = threading.Lock()
         self._rank_locks: dict[int, threading.Lock] = {}
         self._reuse = _HeldBytes(slots)
@@ -1211,7 +1213,7 @@ class Server:
             wanted = sum(end - start for start, end in ranges) if ranges is not None \
                 else header.data_len
             # the whole data within a deadline: a trickle would keep the rank's lock
-            deadline = time.monotonic() + PUSH_GRACE + wanted / self.min_rate
+            deadline = time.monotonic() + self.push_grace + wanted / self.min_rate
             with memoryview(buf) as whole, \
                     whole[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len] as data:
                 _recv_data(channel.sock, data, self.timeout, verifier, ranges,
