@@ -18,6 +18,12 @@ header and metadata checksums), so a crash at any moment leaves the previous ver
 file, or no usable file for that step — never one that loads. Loading checks every
 checksum again (:func:`load_into`, :func:`read_slot_file`).
 
+Only this user's own files are trusted: the run directory, each step directory and each
+file must be owned by the effective uid (a shared directory lets another user plant a run
+directory or a step that would otherwise pass every checksum), and no link is followed.
+Anything else is skipped (:func:`scan`), reported (:func:`inspect_dir`) or refused
+(:func:`check_run_dir`, :meth:`PersistWriter.start`).
+
 A step is *complete* when published files exist for all ``world_size`` ranks (the header
 of each file says the world size). :class:`PersistWriter` runs in the supervisor and
 keeps the ``keep`` newest complete steps; each host deletes only its own ranks' files.
@@ -36,6 +42,7 @@ import mmap
 import os
 import re
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -64,6 +71,7 @@ _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _RANK_FILE = re.compile(r"^rank-(\d{5})\.gslot$")
 _TEMP_FILE = re.compile(r"^\.rank-(\d{5})\..*\.tmp$")
 _RUN_DIR = re.compile(r"^[0-9a-f]{12}$")
+MAX_MANIFEST = 64 << 10  # bytes: a manifest is a few hundred
 
 
 # -- paths -------------------------------------------------------------------------------
@@ -87,8 +95,57 @@ def manifest_path(path: Path) -> Path:
     return path.with_suffix(MANIFEST_SUFFIX)
 
 
+def _not_ours(info: os.stat_result, kind: str = "file") -> str | None:
+    """Why an entry with ``info`` (from ``lstat``/``fstat``) is not a ``kind`` ("file" or
+    "directory") this user may trust, or None if it is."""
+    is_kind = stat.S_ISDIR if kind == "directory" else stat.S_ISREG
+    if stat.S_ISLNK(info.st_mode):
+        return "a symbolic link: not trusted"
+    if not is_kind(info.st_mode):
+        return "not a regular file" if kind == "file" else "not a directory"
+    if info.st_uid != os.geteuid():
+        return f"owned by uid {info.st_uid}, not by this user: not trusted"
+    return None
+
+
+def _dir_refusal(path: Path) -> str | None:
+    """Why the directory ``path`` (not followed if a link) is not to be trusted; None if
+    it is this user's, or does not exist."""
+    try:
+        return _not_ours(os.lstat(path), "directory")
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return "not a directory"
+
+
+def check_run_dir(directory: Path, run_id: str) -> Path:
+    """The run directory of ``run_id`` under ``directory`` (which may not exist yet);
+    StorageError if another user made it or it is a link or a file."""
+    where = run_dir(directory, run_id)
+    why = _dir_refusal(where)
+    if why is not None:
+        raise StorageError(f"{where}: {why} (another user's run directory in a shared "
+                           "directory?)")
+    return where
+
+
+_ignored: set[str] = set()  # paths already warned about (the writer scans every poll)
+
+
+def _ignore(path: str, why: str) -> None:
+    if path not in _ignored:
+        _ignored.add(path)
+        logger.warning("persisted checkpoints in %s ignored: %s", path, why)
+
+
 def _step_dirs(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step directory under a run directory, oldest first."""
+    """(step, path) of every step directory of this user under a run directory of this
+    user, oldest first (another user's are skipped: they could plant any step)."""
+    why = _dir_refusal(folder)
+    if why is not None:
+        _ignore(str(folder), why)
+        return []
     try:
         entries = list(os.scandir(folder))
     except (FileNotFoundError, NotADirectoryError):
@@ -96,8 +153,16 @@ def _step_dirs(folder: Path) -> list[tuple[int, Path]]:
     found = []
     for entry in entries:
         match = _STEP_DIR.match(entry.name)
-        if match and entry.is_dir(follow_symlinks=False):
+        if not match:
+            continue
+        try:
+            why = _not_ours(entry.stat(follow_symlinks=False), "directory")
+        except FileNotFoundError:
+            continue
+        if why is None:
             found.append((int(match.group(1)), Path(entry.path)))
+        else:
+            _ignore(entry.path, why)
     return sorted(found)
 
 
@@ -158,12 +223,16 @@ class Manifest:
 
 
 def _read_manifest(path: Path) -> Manifest:
+    where = manifest_path(path)
+    fd = _open(where, missing="unpublished: no manifest")
     try:
-        raw = manifest_path(path).read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError("unpublished: no manifest") from None
+        if os.fstat(fd).st_size > MAX_MANIFEST:
+            raise CheckpointError(f"{where.name}: larger than {MAX_MANIFEST} bytes")
+        raw = os.read(fd, MAX_MANIFEST + 1)
     except OSError as exc:
-        raise StorageError(f"cannot read {manifest_path(path)}: {exc.strerror}") from None
+        raise StorageError(f"cannot read {where}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     return Manifest.from_json(raw)
 
 
@@ -207,14 +276,23 @@ def _check(path: Path, fd: int, manifest: Manifest, *, run_id: str | None = None
     return header
 
 
-def _open(path: Path) -> int:
-    """A read-only descriptor of a persisted file (CheckpointError if it is gone)."""
+def _open(path: Path, *, missing: str | None = None) -> int:
+    """A read-only descriptor of a persisted file: CheckpointError (``missing`` or
+    "<name>: missing" if it is gone) if it is gone, a link, not a regular file or not this
+    user's (O_NONBLOCK: a FIFO in its place is refused, not waited on)."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise CheckpointError(f"{path.name}: missing") from None
+        raise CheckpointError(missing or f"{path.name}: missing") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"{path.name}: a symbolic link: not trusted") from None
         raise StorageError(f"cannot open {path}: {exc.strerror}") from None
+    why = _not_ours(os.fstat(fd))
+    if why is not None:
+        os.close(fd)
+        raise CheckpointError(f"{path.name}: {why}")
+    return fd
 
 
 def _check_path(path: Path, **expect: Any) -> tuple[Manifest, memory.SlotHeader]:
@@ -340,7 +418,7 @@ def load_into(directory: Path, run_id: str, rank: int, step: int,
     path = slot_path(directory, run_id, rank, step)
     manifest = _read_manifest(path)
     try:
-        with open(path, "rb", buffering=0) as src:
+        with open(_open(path), "rb", buffering=0) as src:
             header = _check(path, src.fileno(), manifest, run_id=run_id, rank=rank, step=step)
             segment = target(memory.slot_size(header.data_len, header.meta_len))
             buf = segment.view
@@ -406,9 +484,10 @@ def inspect_dir(directory: Path, run_id: str | None = None, *,
     if not directory.is_dir():
         raise StorageError(f"{directory} is not a directory")
     if run_id is not None:
-        runs = [run_dir(directory, run_id)]
-    else:
-        runs = sorted(p for p in directory.iterdir() if _RUN_DIR.match(p.name) and p.is_dir())
+        runs = [check_run_dir(directory, run_id)]
+    else:  # another user's runs are skipped (with a warning) by _step_dirs
+        runs = sorted(p for p in directory.iterdir()
+                      if _RUN_DIR.match(p.name) and p.is_dir() and not p.is_symlink())
     infos = []
     for run in runs:
         for step, folder in _step_dirs(run):
@@ -419,7 +498,7 @@ def inspect_dir(directory: Path, run_id: str | None = None, *,
 
 def _describe(path: Path, rank: int, step: int, check: bool) -> FileInfo:
     try:
-        size = path.stat().st_size
+        size = os.lstat(path).st_size
     except OSError as exc:
         return FileInfo(path, rank, step, 0, None, None, None, exc.strerror or str(exc))
     try:
@@ -442,10 +521,15 @@ def _raw_header(path: Path, size: int) -> memory.SlotHeader | None:
     if size < memory.HEADER_SIZE:
         return None
     try:
-        with open(path, "rb") as fh:
-            return _header_of(fh.fileno())[0]
+        fd = _open(path)  # not another user's file, nor a link or FIFO
+    except (CheckpointError, StorageError):
+        return None
+    try:
+        return _header_of(fd)[0]
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
 
 
 # -- writing --------------------------------------------------------------------------------
@@ -489,10 +573,18 @@ def _preallocate(fd: int, size: int) -> None:
             raise
 
 
+def _create(path: Path) -> int:
+    """A new file of this user at ``path`` (mode 0600), opened for writing: a stale file
+    of that name (a crash's temporary) is replaced, a link is never followed."""
+    path.unlink(missing_ok=True)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   0o600)
+
+
 def _write_small(path: Path, data: bytes, token: str) -> None:
     """Write ``data`` to ``path`` atomically (temporary file, fsync, rename, fsync dir)."""
     tmp = path.parent / f".{path.name}.{token}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = _create(tmp)
     try:
         view = memoryview(data)
         while view:
@@ -637,18 +729,22 @@ class PersistWriter:
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
-        """Check that the run's directory can be written (a ConfigError naming it if not:
-        better now than at the first persist, hours in), then start the background thread
-        (idempotent; a closed writer stays closed)."""
+        """Check that the run's directory is this user's and can be written (a ConfigError
+        naming it if not: better now than at the first persist, hours in), then start the
+        background thread (idempotent; a closed writer stays closed)."""
         with self._lock:
             if self._thread is not None or self._stop.is_set():
                 return
             where = run_dir(self.directory, self.run_id)
             try:
-                where.mkdir(parents=True, exist_ok=True)
+                where.mkdir(parents=True, exist_ok=True, mode=0o700)
+                check_run_dir(self.directory, self.run_id)
                 probe = where / f".probe-{self._token}"
-                probe.write_bytes(b"")
+                os.close(_create(probe))
                 probe.unlink()
+            except StorageError as exc:
+                raise ConfigError(f"--persist-dir {self.directory}: {exc}",
+                                  field="persist_dir") from None
             except OSError as exc:
                 raise ConfigError(f"--persist-dir {self.directory}: cannot write {where}: "
                                   f"{exc.strerror or exc}") from None
@@ -810,13 +906,12 @@ class PersistWriter:
             return True
         folder = path.parent
         tmp = folder / f".{path.name}.{self._token}.tmp"
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        self._step_folder(folder)
         try:
-            fd = os.open(tmp, flags, 0o600)
+            fd = _create(tmp)
         except FileNotFoundError:  # another host's prune removed the empty directory
-            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd = os.open(tmp, flags, 0o600)
+            self._step_folder(folder)
+            fd = _create(tmp)
         try:
             _preallocate(fd, end)
             with memoryview(buf) as view:
@@ -844,6 +939,15 @@ class PersistWriter:
                             header_xxh3, header.meta_hash, self._host, time.time())
         _write_small(manifest_path(path), manifest.to_json(), self._token)
         return True
+
+    @staticmethod
+    def _step_folder(folder: Path) -> None:
+        """Make the step directory ``folder`` if missing; StorageError if it is not this
+        user's (another user made it first: what is written there is theirs to swap)."""
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        why = _dir_refusal(folder)
+        if why is not None:
+            raise StorageError(f"cannot persist into {folder}: {why}")
 
     def _same_published(self, path: Path, header: memory.SlotHeader) -> bool:
         """Whether ``path`` is already published with exactly this commit."""
