@@ -51,6 +51,10 @@ _VISIBLE = "(lease IS NULL OR lease IN (SELECT id FROM leases WHERE expires > ?)
 
 _PRIVATE = PRIVATE_SEGMENT.encode()
 
+#: The files SQLite keeps beside the database; the WAL and the shared-memory index hold
+#: copies of its pages (the run's secret among them), the journal too before WAL mode.
+_SIDE_FILES = ("-wal", "-shm", "-journal")
+
 #: Seconds the change log keeps events for watchers (a watcher polls every 50 ms).
 EVENT_RETENTION = 600.0
 _TRIM_EVERY = 30.0
@@ -83,16 +87,19 @@ class EmbeddedStore(_StoreBase):
         self._last_trim = 0.0
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                         0o600)
-            try:
-                info = os.fstat(fd)
-            finally:
-                os.close(fd)
-            if info.st_uid != os.geteuid() or not stat.S_ISREG(info.st_mode):
-                raise StoreError(f"cannot open the embedded store {self.path}: not a regular "
-                                 "file of this user (it holds the run's secret)")
+            # SQLite opens its side files by name with O_CREAT and no check of their owner:
+            # one another user made first (in a directory others can write) would receive
+            # the pages of the database. Create them first, as files of this user, and
+            # check them again once SQLite holds them open.
+            for path in (self.path, *self._side_files()):
+                self._claim(path, create=not path.name.endswith("-journal"))
             self._db: sqlite3.Connection = self._connect()
+            try:
+                for path in self._side_files():
+                    self._claim(path, create=False)
+            except BaseException:
+                self._db.close()
+                raise
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open the embedded store {self.path}: "
                              f"{getattr(exc, 'strerror', None) or exc}") from exc
@@ -104,6 +111,38 @@ class EmbeddedStore(_StoreBase):
 
     def __repr__(self) -> str:
         return f"EmbeddedStore({str(self.path)!r})"
+
+    def _side_files(self) -> list[Path]:
+        return [self.path.with_name(self.path.name + suffix) for suffix in _SIDE_FILES]
+
+    @staticmethod
+    def _claim(path: Path, *, create: bool) -> None:
+        """Check that ``path`` is a regular file of this user, not a link; with ``create``,
+        make it (mode 0600) if missing. StoreError if it is another user's or not a file:
+        it would hold the run's secret.
+
+        An existing file is only looked at (``lstat``), never opened: closing a descriptor
+        drops every POSIX lock this process holds on the file, SQLite's among them, and
+        another process would then reset the shared-memory index under us (SIGBUS)."""
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            if not create:
+                return
+            try:
+                os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC, 0o600))
+                return
+            except FileExistsError:  # another process made it meanwhile: check theirs
+                info = os.lstat(path)
+        why = ("a symbolic link" if stat.S_ISLNK(info.st_mode)
+               else "not a regular file" if not stat.S_ISREG(info.st_mode)
+               else f"owned by uid {info.st_uid}" if info.st_uid != os.geteuid()
+               else None)
+        if why is not None:
+            raise StoreError(f"cannot open the embedded store {path}: {why}, not a file of "
+                             "this user (it would hold the run's secret); remove it or keep "
+                             "the store in a directory only you can write")
 
     @staticmethod
     def _create_schema(db: sqlite3.Connection, now: float) -> None:
