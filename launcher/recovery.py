@@ -187,10 +187,35 @@ def choose_plan(reports: Mapping[int, Mapping[str, Any]], world_size: int,
     report: the newest step of the three ways to restore, the same world size first
     (:func:`plan_restore`), then a whole copy per rank after the job shrank or grew
     (:func:`plan_resized`), then shards assembled from the old ranks' copies
-    (:func:`plan_resharded`); a later one wins only with a newer step."""
+    (:func:`plan_resharded`); a later one wins only with a newer step. No step that a
+    report names under ``"avoid"`` is chosen (:func:`without_avoided`)."""
+    reports = without_avoided(reports)
     plan = plan_restore(gather_sources(reports), world_size)
     for other in (plan_resized(reports, world_size),
                   plan_resharded(reports, world_size, node)):
         if other.step is not None and (plan.step is None or other.step > plan.step):
             plan = other
     return plan
+
+
+def without_avoided(reports: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
+    """``reports`` without any step that one of them lists under ``"avoid"``: a host's
+    workers failed right after restoring it, and no host of the round restores it again
+    (every host computes the plan from the same reports, so all of them skip it)."""
+    avoid = {int(step) for report in reports.values() for step in report.get("avoid") or ()}
+
+    def kept(steps: Any) -> list[int]:
+        return [step for step in steps if int(step) not in avoid]
+
+    if not avoid:
+        return {node: dict(report) for node, report in reports.items()}
+    filtered: dict[int, dict[str, Any]] = {}
+    for node, report in reports.items():
+        copy = dict(report)
+        for key in ("local", "replicas", "persist"):
+            copy[key] = {rank: kept(steps) for rank, steps in (report.get(key) or {}).items()}
+        for key in ("resizable", "reshardable"):
+            copy[key] = {world: {rank: kept(steps) for rank, steps in ranks.items()}
+                         for world, ranks in (report.get(key) or {}).items()}
+        filtered[node] = copy
+    return filtered

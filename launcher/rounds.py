@@ -9,7 +9,9 @@ out their answer (the messages, the events, the counts it adds to the store), as
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 
 def round_moved_on(joined: int | None, current: int | None) -> bool:
@@ -125,3 +127,77 @@ def stranded(*, finished: int, restarting: int, world: int, min_nodes: int,
     if static:
         return False
     return restarting > 0 and finished + restarting >= world and world - finished < min_nodes
+
+
+# -- the no-progress guard ------------------------------------------------------------
+# A script that fails the same way after every restore (a bad batch, a NaN that raises, a
+# restored state it cannot take) would be restarted until --max-restarts is spent, each
+# time from the same step, and end with the exit code of any worker failure, so that a
+# scheduler requeues it and the loop starts again.
+
+#: Signals by which something outside the job ends a worker (an operator, the OOM killer,
+#: a scheduler, a fault injected on purpose): such a failure says nothing about the
+#: script or its checkpoint, and never counts toward the guard.
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+Signature = frozenset[tuple[int, int, str]]
+"""A failure's signature: per failed global rank, its exit code (minus the signal number
+for a signal) and the last line of its error message."""
+
+
+def failure_signature(failures: Mapping[int, tuple[int, str]]) -> Signature | None:
+    """The signature of a failure of ``failures`` (global rank -> exit code, message);
+    None when a rank was ended by one of :data:`EXTERNAL_SIGNALS` (a transient fault)."""
+    if any(code < 0 and -code in EXTERNAL_SIGNALS for code, _ in failures.values()):
+        return None
+    return frozenset((rank, code, (message.strip().splitlines() or [""])[-1][:200])
+                     for rank, (code, message) in failures.items())
+
+
+@dataclass(frozen=True)
+class FailureHistory:
+    """What the guard remembers of this host's failures since its newest committed step
+    last grew (an episode)."""
+
+    high_water: int = -1
+    """The newest step this host's workers ever committed (-1: none)."""
+    signature: Signature | None = None
+    """The signature of the last failure of this episode that counted."""
+    same: int = 0
+    """Failures in a row with that signature, no step beyond ``high_water`` in between."""
+    avoid: frozenset[int] = field(default_factory=frozenset)
+    """Steps no round of this episode restores again: a failure followed their restore."""
+
+
+class Guard(enum.Enum):
+    """What the guard makes of a failure."""
+
+    RESTART = "restart"
+    """Restart as usual (from the newest step every rank holds, except ``avoid``)."""
+    RESTART_OLDER = "restart_older"
+    """The failure followed the restore of a step before any newer step was committed:
+    restart from the next older step (once per episode), so that a bad checkpoint is
+    never restored twice."""
+    GIVE_UP = "give_up"
+    """The same failure ``limit`` times without progress: stop, and do not requeue."""
+
+
+def guard_failure(history: FailureHistory, *, signature: Signature | None, committed: int,
+                  restored: int, limit: int) -> tuple[Guard, FailureHistory]:
+    """The guard's answer to a failure of this host's workers, and its new history.
+
+    ``committed`` is the newest step this host's workers committed so far, ``restored``
+    the step their round restored (-1: none), ``limit`` ``--max-same-failures`` (0: off).
+    Progress (a step beyond every step committed before) starts a new episode; a
+    transient failure (``signature`` None) neither counts nor ends one."""
+    if committed > history.high_water:
+        history = FailureHistory(high_water=committed)
+    if signature is None:
+        return Guard.RESTART, history
+    same = history.same + 1 if signature == history.signature else 1
+    history = replace(history, signature=signature, same=same)
+    if 0 <= restored and committed <= restored and not history.avoid:
+        return Guard.RESTART_OLDER, replace(history, avoid=frozenset({restored}))
+    if limit > 0 and same >= limit:
+        return Guard.GIVE_UP, history
+    return Guard.RESTART, history

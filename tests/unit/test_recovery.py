@@ -128,3 +128,22 @@ def test_the_newest_of_the_three_plans_wins() -> None:
     assert resharded.step == 7 and resharded.world_size == 4 and resharded.reshard
     older = {"4": {str(rank): [3] for rank in range(4)}}
     assert choose_plan(reports(older, older), 2, node=0).step == 5
+
+
+def test_a_step_one_host_avoids_is_restored_by_none() -> None:
+    """One host's report names step 6 to avoid (its workers failed right after restoring
+    it): every host's plan takes the next older step, in every tier and world size."""
+    from launcher.recovery import choose_plan
+
+    reports: dict[int, dict[str, object]] = {
+        node: {"ranks": [node], "local": {str(node): [5, 6]}, "replicas": {str(1 - node): [6]},
+               "persist": {str(node): [4, 6]}, "resizable": {"4": {str(r): [6] for r in range(4)}},
+               "reshardable": {}}
+        for node in (0, 1)}
+    assert choose_plan(reports, 2, node=0).step == 6
+    reports[1]["avoid"] = [6]
+    for node in (0, 1):
+        plan = choose_plan(reports, 2, node=node)
+        assert plan.step == 5 and plan.world_size is None
+    reports[0]["local"] = {"0": [6]}  # node 0 has nothing older in memory: the files
+    assert choose_plan(reports, 2, node=0).step == 4

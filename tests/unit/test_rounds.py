@@ -140,3 +140,55 @@ def test_stranded(finished: int, restarting: int, world: int, min_nodes: int, st
                   closes: bool) -> None:
     assert stranded(finished=finished, restarting=restarting, world=world,
                     min_nodes=min_nodes, static=static) is closes
+
+
+# -- the no-progress guard ------------------------------------------------------------
+def test_a_failure_by_an_outside_signal_has_no_signature() -> None:
+    from launcher.rounds import failure_signature
+
+    assert failure_signature({0: (-9, "Signal 9 (SIGKILL)"), 1: (1, "gloo: connection reset")}) is None
+    assert failure_signature({3: (-15, "")}) is None
+    raised = failure_signature({1: (1, "Traceback...\nValueError: loss is nan\n")})
+    assert raised == frozenset({(1, 1, "ValueError: loss is nan")})
+    assert failure_signature({0: (-11, "")}) == frozenset({(0, -11, "")})  # a crash counts
+
+
+def test_a_script_that_fails_after_every_restore_tries_one_older_step_then_gives_up() -> None:
+    """Restored at 10 after a kill: the first failure avoids 10 (the next round restores
+    9), the next ones restore 9 again, and the third gives up (limit 3)."""
+    from launcher.rounds import FailureHistory, Guard, failure_signature, guard_failure
+
+    nan = failure_signature({0: (1, "ValueError: nan")})
+    history = FailureHistory()
+    verdict, history = guard_failure(history, signature=None, committed=10, restored=-1, limit=3)
+    assert verdict is Guard.RESTART and history.same == 0 and history.high_water == 10
+    verdict, history = guard_failure(history, signature=nan, committed=10, restored=10, limit=3)
+    assert verdict is Guard.RESTART_OLDER and history.avoid == {10}
+    verdict, history = guard_failure(history, signature=nan, committed=10, restored=9, limit=3)
+    assert verdict is Guard.RESTART and history.same == 2 and history.avoid == {10}
+    verdict, history = guard_failure(history, signature=nan, committed=10, restored=9, limit=3)
+    assert verdict is Guard.GIVE_UP and history.same == 3
+
+
+def test_progress_or_another_failure_starts_counting_again() -> None:
+    from launcher.rounds import FailureHistory, Guard, failure_signature, guard_failure
+
+    a = failure_signature({0: (1, "ValueError: a")})
+    b = failure_signature({0: (1, "ValueError: b")})
+    history = FailureHistory(high_water=20)
+    for _ in range(5):  # a new step every time: never gives up, never avoids
+        history = guard_failure(history, signature=a, committed=history.high_water + 3,
+                                restored=history.high_water, limit=2)[1]
+        assert history.same == 1 and not history.avoid
+    verdict, history = guard_failure(history, signature=b, committed=history.high_water,
+                                     restored=history.high_water - 2, limit=2)
+    assert verdict is Guard.RESTART and history.same == 1
+    verdict, history = guard_failure(history, signature=None, committed=history.high_water,
+                                     restored=history.high_water - 2, limit=2)
+    assert verdict is Guard.RESTART and history.same == 1  # transient: no count, no reset
+    verdict, _ = guard_failure(history, signature=b, committed=history.high_water,
+                               restored=history.high_water - 2, limit=2)
+    assert verdict is Guard.GIVE_UP
+    verdict, _ = guard_failure(history, signature=b, committed=history.high_water,
+                               restored=history.high_water - 2, limit=0)
+    assert verdict is Guard.RESTART  # limit 0: off
