@@ -12,7 +12,9 @@ Wire protocol (all integers little endian)::
       server -> client  WELCOME  "GEMtrns1" | server nonce (32)
       client -> server  PROOF    client proof (32)
       server -> client  PROOF    server proof (32)   (only once the client's verified: a
-                                 stranger learns nothing to test guesses of the secret on)
+                                 stranger learns nothing to test guesses of the secret on;
+                                 a rogue server does get the client's proof, so a secret
+                                 file must hold 128 bits: ``service.read_secret_file``)
       server -> client  frame {"ok": true, "run_id": ...}        (the first sealed frame)
 
     run tag      = SHA-256("gemini-transport run" | run id)[:16]  (cheap early rejection)
@@ -29,7 +31,9 @@ Wire protocol (all integers little endian)::
              round} + meta; keep: the run's globally restorable step s*, whose replica the
              server must not overwrite (-1: none known); round: the sender's rendezvous
              round, refused when the server is in another one (a sender frozen past
-             --host-ttl and woken must not overwrite the current round's replicas)
+             --host-ttl and woken must not overwrite the current round's replicas); a
+             supervisor's server also refuses ranks it keeps no replica of, steps far
+             from the round's plan and slots far larger than its own (``Admission``)
           s: {"ok":true} | {"ok":true,"have":true} (already held; nothing follows)
              | {"ok":true,"skip":[[start,end],...]} (data ranges it filled from its own
              memory, checksums matched: see "Bytes a peer holds already" below)
