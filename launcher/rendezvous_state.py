@@ -119,7 +119,7 @@ def install() -> None:
     (idempotent)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    dynamic_rendezvous.pickle = CODEC  # type: ignore[attr-defined]
+    setattr(dynamic_rendezvous, "pickle", CODEC)  # noqa: B010  (a module attribute of torch's)
 
 
 def use_secret(secret: bytes | None, run_id: str) -> None:
