@@ -27,6 +27,7 @@ from launcher.contract import ENV_HOST_ID, ENV_RUN_DIR, ENV_SUPERVISOR_PID
 from launcher.errors import (
     ConfigError,
     Interrupted,
+    NoProgressError,
     StoreError,
     StoreUnavailableError,
     UsageError,
@@ -275,7 +276,7 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
                                            host_id=owner.host_id, owner=owner,
                                            ttl=config.host_ttl)
         services.append(coordination)
-        secret = _run_secret(config, launch_config, store)
+        secret = _run_secret(config, launch_config, store, coordination)
         memory = _memory_service(config, launch_config, owner, events, store, secret)
         services.append(memory)
         health = HealthService(owner.prefix, launch_config.nproc_per_node,
@@ -352,6 +353,7 @@ def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
             declare_dead=host.coordination.declare_dead,
             report_failure=host.coordination.report_failure,
             forget=lambda: host.owner.discard_newer_than(-1),
+            restores=host.memory, max_same_failures=getattr(config, "max_same_failures", 3),
         )
         host.coordination.on_lost = agent.wake
         host.coordination.on_failed = agent.member_failed
@@ -360,6 +362,7 @@ def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
                           rdzv_backend=launch_config.rdzv_backend,
                           max_restarts=launch_config.max_restarts, entrypoint=entrypoint_name)
         result = agent.run_job()
+        _stop_without_progress(agent, result, host, entrypoint_name, error_handler)
         if result is None:  # torch's graceful exit, or ours: the job ended without this host
             print("gemini: the rendezvous is closed: the job finished without needing this "
                   "host", file=sys.stderr, flush=True)
@@ -390,6 +393,25 @@ def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
             spec.rdzv_handler.shutdown()
         host.events.write("exit", outcome=outcome)
         host.close(wait=outcome != "store_unavailable")
+
+
+def _stop_without_progress(agent: GeminiAgent, result: RunResult | None, host: _Host,
+                           entrypoint_name: str, error_handler: ErrorHandler) -> None:
+    """Raise :class:`NoProgressError` when the no-progress guard stopped this host, or
+    stopped another one and so ended this host's run (its rendezvous closed); print
+    torchrun's failure summary first, as for any worker failure."""
+    reason = agent.gave_up
+    if reason is not None:
+        host.coordination.report_stopped(reason)
+    elif result is None or result.is_failed():
+        elsewhere = host.coordination.stopped()
+        reason = None if elsewhere is None else f"stopped by {elsewhere}"
+    if reason is None:
+        return
+    if result is not None and result.is_failed():
+        print(_worker_failure(result, entrypoint_name, error_handler).summary,
+              file=sys.stderr, flush=True)
+    raise NoProgressError(f"{reason}; not restarting again (exit code 7: do not requeue)")
 
 
 def _worker_failure(result: RunResult, entrypoint_name: str,
@@ -432,7 +454,8 @@ def _store_outage(exc: BaseException) -> StoreUnavailableError | None:
     return None
 
 
-def _run_secret(config: RunConfig, launch_config: Any, store: GeminiStore) -> bytes | None:
+def _run_secret(config: RunConfig, launch_config: Any, store: GeminiStore,
+                coordination: CoordinationService) -> bytes | None:
     """The run's secret, which signs the rendezvous state and authenticates replication:
     from ``--secret-file``, or shared through the store when every host opens the same
     one (etcd; an embedded store, which only a single-host job is sure to share). None
@@ -448,8 +471,10 @@ def _run_secret(config: RunConfig, launch_config: Any, store: GeminiStore) -> by
                        "without it, the rendezvous state is not signed and replication "
                        "between hosts cannot authenticate")
         secret = None
-    else:
-        secret = load_secret(config.secret_file, store, launch_config.run_id)
+    else:  # a stored secret is held with this host's lease: a crashed run's is not reused
+        secret = load_secret(config.secret_file, store, launch_config.run_id,
+                             lease=coordination.lease)
+        coordination.holds_secret = not config.secret_file
     rendezvous_state.use_secret(secret, launch_config.run_id)
     return secret
 

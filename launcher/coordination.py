@@ -21,6 +21,9 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
                             from ``host`` (``launcher.heartbeat``; a majority makes it lost)
     events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...);
                             the root keeps the newest STORE_EVENT_LIMIT
+    stopped                 JSON: why a host stopped the job for good (the no-progress
+                            guard, ``report_stopped``): a host whose rendezvous then
+                            closes ends with the same exit code (cleared at the next start)
     secret                  the replication secret, unless every host has a --secret-file
                             (a private key: ``launcher.store.PRIVATE_SEGMENT``); the last
                             host to leave deletes it
@@ -74,7 +77,7 @@ ROOT = "gemini/runs/"
 #: Agent events mirrored into the store (the full log stays in the run directory).
 STORE_EVENTS = frozenset({"launch", "worker_exit", "hang", "restart", "exit", "host_lost",
                           "host_dead", "host_unresponsive", "root_elected", "restore_plan", "no_restart",
-                          "round_retry", "member_failed"})
+                          "round_retry", "member_failed", "avoid_step", "no_progress"})
 #: Seconds a probe of a peer's replication port may take: refused is proof that the
 #: peer's supervisor is gone; no answer proves nothing (its lease decides).
 PROBE_TIMEOUT = 0.5
@@ -124,6 +127,7 @@ class CoordinationService:
                  ttl: float) -> None:
         self.store = store
         self.host_id = host_id
+        self.run_id = run_id
         self.prefix = run_prefix(run_id)
         self.owner = owner
         self.ttl = ttl
@@ -148,9 +152,12 @@ class CoordinationService:
         self._taken_over: set[str] = set()
         self.standby_ready: Callable[[], bool] | None = None
         """Whether this host's standby workers wait with torch imported (None: none kept)."""
+        self.holds_secret = False
+        """Whether this host holds the run's stored secret with its lease
+        (``launcher.replication.service.load_secret``): a new lease takes the hold over."""
         self.on_lost: Callable[[], None] | None = None
         """Called (from a background thread) whenever a host is found lost."""
-        self.on_failed: Callable[[str, int], None] | None = None
+        self.on_failed: Callable[[str, int, bool], None] | None = None
         """Called (from a background thread) with a host and the rendezvous round in which
         its workers failed, when it says so (:meth:`report_failure`)."""
         self._outbox: queue.SimpleQueue[tuple[str, bytes]] = queue.SimpleQueue()
@@ -164,6 +171,7 @@ class CoordinationService:
         self._reserved_for = 0  # the slot size the last finished reservation was for
         self._lease: Lease = store.grant_lease(ttl)
         self._keeper: KeepAlive = store.keep_alive(self._lease)
+        store.delete(self.prefix + "stopped")  # an earlier job's, of the same run id
         self._register()
         self._watch: Watch = store.watch_prefix(self.prefix + "alive/", self._on_alive)
         self._records: Watch = store.watch_prefix(self.prefix + "hosts/", self._on_record)
@@ -198,6 +206,11 @@ class CoordinationService:
         with self._lock:
             self._record.update(fields)
         self._put_record()
+
+    @property
+    def lease(self) -> Lease:
+        """This host's lease in the store: what it binds to it ends with it."""
+        return self._lease
 
     @property
     def running(self) -> bool:
@@ -422,6 +435,24 @@ class CoordinationService:
             logger.warning("could not deregister from the coordination store: %s", exc)
         self.store.close()
 
+    def report_stopped(self, reason: str) -> None:
+        """Record that this host stops the job for good, and why (not bound to a lease:
+        the other hosts read it once their rendezvous closed, after this one left)."""
+        try:
+            self.store.put(self.prefix + "stopped", _dump({"host": self.host_id,
+                                                           "reason": reason}))
+        except StoreError as exc:
+            logger.warning("cannot tell the other hosts why this host stops: %s", exc)
+
+    def stopped(self) -> str | None:
+        """Why a host stopped the job for good (:meth:`report_stopped`), if one did."""
+        try:
+            record = _parse_record(self.store.get(self.prefix + "stopped"))
+        except StoreError:
+            return None
+        reason = record.get("reason")
+        return f"host {record.get('host')}: {reason}" if isinstance(reason, str) else None
+
     def _forget_secret(self) -> None:
         """The run's secret lives as long as the run: the last host to leave deletes it
         (hosts leaving together may both do; a later ``gemini run`` makes a new one)."""
@@ -507,16 +538,19 @@ class CoordinationService:
         if self.is_root:
             self.record_event("host_lost", {"lost": host})
 
-    def report_failure(self, round_number: int) -> None:
+    def report_failure(self, round_number: int, transient: bool = False) -> None:
         """Tell every host, through its watch, that this host's workers failed in
         rendezvous round ``round_number`` and that it restarts them: the members of that
         round restart theirs at once, rather than when their collectives with the failed
-        workers time out. In the background (never blocks the agent; during a store outage
-        the others learn from torch's rendezvous, or their workers' errors)."""
+        workers time out; ``transient``: a worker was killed from outside, and the other
+        hosts' failures in that round count as little as this one toward giving up. In
+        the background (never blocks the agent; during a store outage the others learn
+        from torch's rendezvous, or their workers' errors)."""
         def put() -> None:
             try:
                 self.store.put(self.prefix + f"failed/{self.host_id}",
-                               _dump({"round": round_number}), lease=self._lease)
+                               _dump({"round": round_number, "transient": transient}),
+                               lease=self._lease)
             except StoreError as exc:
                 logger.warning("cannot tell the other hosts that this host's workers "
                                "failed: %s", exc)
@@ -525,9 +559,10 @@ class CoordinationService:
 
     def _on_failed(self, key: str, value: bytes | None) -> None:
         host = key.rsplit("/", 1)[-1]
-        number = _parse_record(value).get("round")
+        record = _parse_record(value)
+        number = record.get("round")
         if host != self.host_id and isinstance(number, int) and self.on_failed is not None:
-            self.on_failed(host, number)
+            self.on_failed(host, number, record.get("transient") is True)
 
     def lost_hosts(self) -> frozenset[str]:
         """Hosts whose lease expired without an exit, and that have not registered again."""
@@ -543,11 +578,15 @@ class CoordinationService:
                 return
             try:
                 if self._keeper.lost:  # e.g. unreachable for longer than the TTL
-                    self._lease = self.store.grant_lease(self.ttl)
+                    expired, self._lease = self._lease, self.store.grant_lease(self.ttl)
                     self._keeper.stop()
                     self._keeper = self.store.keep_alive(self._lease)
                     self.is_root = False
                     self._register()
+                    if self.holds_secret:
+                        from launcher.replication.service import hold_secret  # imports this
+
+                        hold_secret(self.store, self.run_id, self._lease, replaces=expired.id)
                 slot_bytes = self.owner.own_slot_bytes()
                 with self._lock:
                     if slot_bytes:

@@ -43,7 +43,18 @@ from torch.distributed.elastic.utils import store as store_util
 from torch.distributed.elastic.utils.store import _NUM_MEMBERS
 
 from launcher.events import EventLog, report_dead
-from launcher.rounds import AfterFailure, after_failure, answer_waiting, round_moved_on, stranded
+from launcher.rounds import (
+    AfterFailure,
+    FailureHistory,
+    Guard,
+    Signature,
+    after_failure,
+    answer_waiting,
+    failure_signature,
+    guard_failure,
+    round_moved_on,
+    stranded,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.distributed_c10d import Store
@@ -158,6 +169,23 @@ class SupervisorService(Protocol):
     def close(self) -> None: ...
 
 
+class Restores(Protocol):
+    """What the no-progress guard reads and sets of the host's checkpoints
+    (``launcher.tiers.MemoryService``)."""
+
+    restored: int
+    avoid: frozenset[int]
+
+    def committed(self) -> int: ...
+
+
+#: How long a host whose workers failed waits for the other members' reports of the same
+#: round before it counts the failure toward giving up: when another member's workers
+#: were killed from outside, this host's workers died of that (their collectives broke),
+#: and the failure is as transient as the kill.
+GUARD_GRACE = 1.0
+
+
 class _MonitorClock:
     """The ``time`` module as torch's agent module sees it, except that ``sleep`` (the
     monitor loop's wait between two looks at the workers) ends early when woken: a host
@@ -186,13 +214,21 @@ class GeminiAgent(LocalElasticAgent):
                  services: Sequence[SupervisorService],
                  lost_hosts: Callable[[], frozenset[str]] = frozenset,
                  declare_dead: Callable[[Iterable[str]], dict[str, str]] = lambda _: {},
-                 report_failure: Callable[[int], None] = lambda _: None,
-                 forget: Callable[[], None] = lambda: None, **kwargs: Any) -> None:
+                 report_failure: Callable[[int, bool], None] = lambda *_: None,
+                 forget: Callable[[], None] = lambda: None,
+                 restores: Restores | None = None, max_same_failures: int = 0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._lost_hosts = lost_hosts
         self._declare_dead = declare_dead
         self._report_failure = report_failure
         self._failed: dict[str, int] = {}  # host -> the rendezvous round its workers failed in
+        self._transient_rounds: set[int] = set()  # rounds in which a member's worker was killed
+        self._restores = restores
+        self._max_same_failures = max_same_failures
+        self._history = FailureHistory()
+        self.gave_up: str | None = None
+        """Why this host stopped restarting (the no-progress guard), or None."""
         self._forget = forget
         self._members: frozenset[str] = frozenset()  # the hosts of this host's round
         self._joined_round: int | None = None  # torch's round number of that round
@@ -218,10 +254,13 @@ class GeminiAgent(LocalElasticAgent):
         """Look at the workers and the round's members now (a host was found lost)."""
         _CLOCK.woken.set()
 
-    def member_failed(self, host: str, round_number: int) -> None:
+    def member_failed(self, host: str, round_number: int, transient: bool = False) -> None:
         """``host`` says its workers failed in rendezvous round ``round_number`` and it
         restarts them (any thread): if it is a member of this host's round, this host
-        restarts too, at its next look (now)."""
+        restarts too, at its next look (now). ``transient``: a worker was killed from
+        outside (see ``launcher.rounds.EXTERNAL_SIGNALS``)."""
+        if transient:
+            self._transient_rounds.add(round_number)
         self._failed[host] = round_number
         self.wake()
 
@@ -474,8 +513,58 @@ class GeminiAgent(LocalElasticAgent):
             # error: if its supervisor is gone, every host learns it now.
             report_dead(self._events, self._declare_dead(self._members - {self._host_id}),
                         round=self._round)
-            self._after_failure(worker_group)
+            signature = failure_signature({rank: (f.exitcode, f.message)
+                                           for rank, f in result.failures.items()})
+            self._guard(signature)
+            self._after_failure(worker_group, transient=signature is None)
         return result
+
+    # -- the no-progress guard (``launcher.rounds.guard_failure``) -----------------------
+    def _guard(self, signature: Signature | None) -> None:
+        """Count this failure toward ``--max-same-failures``; give up (no restarts left,
+        :attr:`gave_up` says why) or restore the next older step in the next round."""
+        if self._restores is None:
+            return
+        restores = self._restores
+        committed, restored = restores.committed(), restores.restored
+        verdict, history = guard_failure(self._history, signature=signature,
+                                         committed=committed, restored=restored,
+                                         limit=self._max_same_failures)
+        if verdict is not Guard.RESTART and self._caused_elsewhere():
+            verdict, history = guard_failure(self._history, signature=None,
+                                             committed=committed, restored=restored,
+                                             limit=self._max_same_failures)
+        self._history = history
+        if verdict is Guard.RESTART_OLDER:
+            restores.avoid = history.avoid
+            print(f"gemini: the workers failed right after restoring step {restored}: the "
+                  "next round restores an older step", file=sys.stderr, flush=True)
+            self._events.write("avoid_step", round=self._round, step=restored)
+        elif verdict is Guard.GIVE_UP:
+            last = sorted(history.signature or ())[0]
+            self.gave_up = (f"the workers failed {history.same} times in a row the same way "
+                            f"(rank {last[0]}, exit code {last[1]}"
+                            f"{': ' + last[2] if last[2] else ''}) "
+                            f"without completing a step after step {history.high_water}")
+            self._remaining_restarts = 0
+            self._events.write("no_progress", round=self._round, failures=history.same,
+                               step=history.high_water, rank=last[0], exitcode=last[1],
+                               error=last[2])
+
+    def _caused_elsewhere(self) -> bool:
+        """Whether this host's failure came from another member's transient one: a
+        member of the round was lost, or reports a worker killed from outside (waiting
+        :data:`GUARD_GRACE` for the reports)."""
+        others = self._members - {self._host_id}
+        if not others:
+            return False
+        deadline = time.monotonic() + GUARD_GRACE
+        while True:
+            if self._joined_round in self._transient_rounds or others & self._lost_hosts():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
     # -- the end of a run: torch elastic's exit barrier ----------------------------
     # A host whose workers succeeded waits in that barrier for every host of the round
@@ -487,7 +576,7 @@ class GeminiAgent(LocalElasticAgent):
     # it there (_RESTARTING), and a finished host closes the rendezvous when the hosts
     # it still waits for all restarted and cannot form a round without it.
 
-    def _after_failure(self, worker_group: WorkerGroup) -> None:
+    def _after_failure(self, worker_group: WorkerGroup, *, transient: bool) -> None:
         """Skip the restart when hosts of this round have already finished their
         workers and the rest are too few for a new round; count this host into the
         exit barrier when its run ends here, or announce its restart there."""
@@ -499,7 +588,7 @@ class GeminiAgent(LocalElasticAgent):
                                    finished=finished, world=world, min_nodes=min_nodes)
             if choice is AfterFailure.RESTART:
                 if self._joined_round is not None:  # the others restart with it at once
-                    self._report_failure(self._joined_round)
+                    self._report_failure(self._joined_round, transient)
                 self._store.add(_RESTARTING, 1)
                 return
             if choice is AfterFailure.PEERS_FINISHED:

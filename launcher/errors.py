@@ -70,6 +70,12 @@ class WorkerFailedError(GeminiError):
         self.summary = summary
 
 
+class NoProgressError(GeminiError):
+    """The workers failed the same way ``--max-same-failures`` times in a row without
+    completing a new step (after one try of an older checkpoint): restarting again, or
+    requeueing the job, would loop. Its own exit code tells a scheduler not to requeue."""
+
+
 class Interrupted(GeminiError):
     """``gemini run`` was stopped by a signal; its workers were shut down."""
 

@@ -137,8 +137,10 @@ def stranded(*, finished: int, restarting: int, world: int, min_nodes: int,
 
 #: Signals by which something outside the job ends a worker (an operator, the OOM killer,
 #: a scheduler, a fault injected on purpose): such a failure says nothing about the
-#: script or its checkpoint, and never counts toward the guard.
-EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+#: script or its checkpoint, and never counts toward the guard. SIGTERM is also how torch
+#: stops a host's other workers once one failed: it counts as outside only when every
+#: failed rank got it.
+EXTERNAL_SIGNALS = frozenset({signal.SIGKILL, signal.SIGINT, signal.SIGHUP})
 
 Signature = frozenset[tuple[int, int, str]]
 """A failure's signature: per failed global rank, its exit code (minus the signal number
@@ -146,12 +148,29 @@ for a signal) and the last line of its error message."""
 
 
 def failure_signature(failures: Mapping[int, tuple[int, str]]) -> Signature | None:
-    """The signature of a failure of ``failures`` (global rank -> exit code, message);
-    None when a rank was ended by one of :data:`EXTERNAL_SIGNALS` (a transient fault)."""
-    if any(code < 0 and -code in EXTERNAL_SIGNALS for code, _ in failures.values()):
+    """The signature of a failure of ``failures`` (global rank -> exit code, message),
+    without the ranks torch stopped (SIGTERM) because another one failed; None when a
+    rank was ended from outside (a transient fault: :data:`EXTERNAL_SIGNALS`, or SIGTERM
+    to every failed rank)."""
+    codes = [code for code, _ in failures.values()]
+    if any(code < 0 and -code in EXTERNAL_SIGNALS for code in codes) or all(
+            code == -signal.SIGTERM for code in codes):
         return None
-    return frozenset((rank, code, (message.strip().splitlines() or [""])[-1][:200])
-                     for rank, (code, message) in failures.items())
+    return frozenset((rank, code, _last_line(code, message))
+                     for rank, (code, message) in failures.items() if code != -signal.SIGTERM)
+
+
+def _last_line(code: int, message: str) -> str:
+    """The part of torch's failure message that says what failed: the last line of the
+    error file's message; not torch's hint for a script without an error file, nor the
+    pid in its message for a signal."""
+    if code < 0:
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
+    line = (message.strip().splitlines() or [""])[-1][:200]
+    return "" if line.startswith("To enable traceback see") else line
 
 
 @dataclass(frozen=True)
@@ -162,9 +181,9 @@ class FailureHistory:
     high_water: int = -1
     """The newest step this host's workers ever committed (-1: none)."""
     signature: Signature | None = None
-    """The signature of the last failure of this episode that counted."""
+    """What the failures counted in ``same`` had in common (see :func:`guard_failure`)."""
     same: int = 0
-    """Failures in a row with that signature, no step beyond ``high_water`` in between."""
+    """Failures in a row that were the same, no step beyond ``high_water`` in between."""
     avoid: frozenset[int] = field(default_factory=frozenset)
     """Steps no round of this episode restores again: a failure followed their restore."""
 
@@ -188,14 +207,19 @@ def guard_failure(history: FailureHistory, *, signature: Signature | None, commi
 
     ``committed`` is the newest step this host's workers committed so far, ``restored``
     the step their round restored (-1: none), ``limit`` ``--max-same-failures`` (0: off).
-    Progress (a step beyond every step committed before) starts a new episode; a
-    transient failure (``signature`` None) neither counts nor ends one."""
+    Two failures are the same when a rank failed in both with the same exit code and
+    message (the other ranks of a host may die of the first one's failure, or be stopped
+    first, from one time to the next). Progress (a step beyond every step committed
+    before) starts a new episode; a transient failure (``signature`` None) neither counts
+    nor ends one."""
     if committed > history.high_water:
         history = FailureHistory(high_water=committed)
     if signature is None:
         return Guard.RESTART, history
-    same = history.same + 1 if signature == history.signature else 1
-    history = replace(history, signature=signature, same=same)
+    common = signature & history.signature if history.signature else frozenset()
+    history = replace(history, signature=common or signature,
+                      same=history.same + 1 if common else 1)
+    same = history.same
     if 0 <= restored and committed <= restored and not history.avoid:
         return Guard.RESTART_OLDER, replace(history, avoid=frozenset({restored}))
     if limit > 0 and same >= limit:

@@ -512,6 +512,10 @@ class SlotOwner:
                        for world, ranks in worlds.items()} for kind, worlds in found.items()}
 
 
+REFUSALS_LOGGED = 10
+REFUSAL_WINDOW = 10.0
+
+
 class SlotServer:
     """Serves worker requests on an abstract Unix socket, one thread per connection.
 
@@ -542,6 +546,8 @@ class SlotServer:
         self._sock.bind(self.address)
         self._sock.listen(64)
         self._closed = False
+        self._refusals = (0.0, 0, 0)  # window start, refusals logged in it, not logged
+        self._refusals_lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, name="gemini-slots",
                                         daemon=True)
         self._thread.start()
@@ -564,7 +570,7 @@ class SlotServer:
         with conn, conn.makefile("rwb") as stream:
             refused = _foreign_peer(conn)
             if refused is not None:
-                logger.warning("slot socket: refused a connection: %s", refused)
+                self._log_refusal(refused)
                 stream.write((json.dumps({"ok": False, "error": refused}) + "\n").encode())
                 stream.flush()
                 return
@@ -580,6 +586,22 @@ class SlotServer:
                     reply = {"ok": False, "error": f"bad request: {exc}"}
                 stream.write((json.dumps(reply) + "\n").encode())
                 stream.flush()
+
+    def _log_refusal(self, refused: str) -> None:
+        """Log a refused connection: at most :data:`REFUSALS_LOGGED` every
+        :data:`REFUSAL_WINDOW` seconds (anyone on the host can connect, thousands of
+        times a second); the next line logged says how many were not."""
+        now = time.monotonic()
+        with self._refusals_lock:
+            since, logged, quiet = self._refusals
+            if now - since >= REFUSAL_WINDOW:
+                since, logged = now, 0
+            if logged >= REFUSALS_LOGGED:
+                self._refusals = (since, logged, quiet + 1)
+                return
+            self._refusals = (since, logged + 1, 0)
+        more = f" (and {quiet} more refusals not logged)" if quiet else ""
+        logger.warning("slot socket: refused a connection: %s%s", refused, more)
 
     def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request["op"]

@@ -78,8 +78,17 @@ class MemoryService:
         self.events = events
         self.replication = replication
         self.persist = persist
+        self.avoid: frozenset[int] = frozenset()
+        """Steps no round restores (see ``rounds.guard_failure``), in this host's reports."""
+        self.restored = -1
+        """The step the last round restored (-1: none, a fresh start)."""
         os.environ[ENV_SOCKET] = self.server.env_address
         os.environ[ENV_PREFIX] = self.owner.prefix
+
+    def committed(self) -> int:
+        """The newest step any of this host's ranks committed (-1: none)."""
+        return max((step for step in self.owner.newest_steps().values() if step is not None),
+                   default=-1)
 
     def _arrival(self, rank: int) -> int | None:
         """Wait until ``rank``'s restore step is in this host's memory (the slot server's
@@ -161,6 +170,7 @@ class MemoryService:
                               reports={str(k): v for k, v in reports.items()})
         scanned = time.monotonic()
         restore = -1 if plan.step is None else plan.step
+        self.restored = restore
         # A take-over still pulling the restore step of one of this host's ranks goes on
         # while the workers start (see _bring_in_the_rest); any other pull ends now.
         self._take_step = restore
@@ -196,8 +206,10 @@ class MemoryService:
             addresses = {peer: (str(r["address"][0]), int(r["address"][1]))
                          for peer, r in reports.items() if r.get("address")}
             round_id = store.get("replication_round").decode()
-            self.replication.set_round(node, nodes, addresses, round_id=round_id,
-                                       restored=restore)
+            self.replication.set_round(
+                node, nodes, addresses, round_id=round_id, restored=restore,
+                ranks={peer: r["ranks"] for peer, r in reports.items()
+                       if isinstance(r.get("ranks"), list)})
 
     def _holdings(self, ranks: list[int], world_size: int) -> dict[str, Any]:
         """This host's report to the round: the steps it holds of each rank in each tier,
@@ -211,6 +223,7 @@ class MemoryService:
                         if rank in ranks} if self.persist is not None else {},
             "address": list(self.replication.address) if self.replication is not None else None,
             "ranks": ranks,
+            "avoid": sorted(self.avoid),
             "resizable": resizable["replicated"],
             "reshardable": resizable["sharded"],
         }

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -211,3 +212,33 @@ def test_the_slot_socket_serves_only_this_supervisors_workers(supervisor: SlotSe
     assert supervisor.fatal is None
     assert memory.list_segments(supervisor.owner.prefix) == [
         n for n in memory.list_segments(supervisor.owner.prefix) if n.endswith("owner")]
+
+
+_FLOOD = """
+import socket, sys
+for _ in range(int(sys.argv[2])):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect("\\0" + sys.argv[1][1:])
+    sock.makefile().readline()
+    sock.close()
+print("done", flush=True)
+"""
+
+
+def test_a_flood_of_refused_connections_is_logged_in_a_few_lines(supervisor: SlotServer,
+                                                                  caplog: Any) -> None:
+    """Anyone on the host can connect to the slot socket: 300 refused connections in a
+    row write at most a window's worth of log lines, not one each."""
+    import logging
+
+    cmd = [sys.executable, "-c", _FLOOD, supervisor.env_address, "300"]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *cmd]
+    with caplog.at_level(logging.WARNING, logger="launcher.slots"):
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd="/",
+                              env={**os.environ, "PYTHONPATH": ""})
+        assert done.stdout.strip() == "done", done.stderr[-2000:]
+        time.sleep(0.2)
+    refused = [r for r in caplog.records if "refused a connection" in r.getMessage()]
+    assert 1 <= len(refused) <= 10, len(refused)
+    assert supervisor.fatal is None

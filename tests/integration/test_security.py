@@ -4,6 +4,7 @@ would make them, with real processes; each must fail safe."""
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -53,7 +54,7 @@ def test_a_pickle_planted_in_the_c10d_rendezvous_runs_no_code(tmp_path: Path, se
     argv = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--no-standby"]
     if secret:
-        (tmp_path / "secret").write_text("s" * 32)
+        (tmp_path / "secret").write_text(secrets.token_hex(16))
         argv += ["--secret-file", str(tmp_path / "secret")]
     host = start([*argv, str(SCRIPTS / "idle.py"), "60"], env=env_with(tmp_path))
     try:

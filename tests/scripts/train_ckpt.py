@@ -41,6 +41,9 @@ p.add_argument("--replicated", action="store_true",
 p.add_argument("--private-mb", type=int, default=0,
                help="also checkpoint this many MiB of random bytes that differ for every "
                "rank and step, in extra: state no peer holds, so replication must send it")
+p.add_argument("--raise-after-restore", type=int, default=None, metavar="STEP",
+               help="rank 0 raises right after restoring any step >= STEP: a state the "
+               "script cannot take (an older one it can)")
 p.add_argument("--report-slots", action="store_true",
                help="rank 0 prints the bytes of the last step in the host's own slots "
                "(every rank's) and the bytes of one model and optimizer state")
@@ -80,6 +83,9 @@ if args.init:
 digest = hashlib.sha1(b"".join(t.detach().numpy().tobytes() for t in net.state_dict().values()))
 print(f"resume rank={rank} start={start} attempt={attempt} model={digest.hexdigest()[:12]} "
       f"samples={extra['progress']['samples']}", flush=True)
+
+if rank == 0 and args.raise_after_restore is not None and start - 1 >= args.raise_after_restore:
+    raise ValueError(f"cannot train from the state of step {start - 1}")
 
 kills = []
 for spec in args.kill:

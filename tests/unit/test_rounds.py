@@ -147,10 +147,16 @@ def test_a_failure_by_an_outside_signal_has_no_signature() -> None:
     from launcher.rounds import failure_signature
 
     assert failure_signature({0: (-9, "Signal 9 (SIGKILL)"), 1: (1, "gloo: connection reset")}) is None
-    assert failure_signature({3: (-15, "")}) is None
+    assert failure_signature({3: (-15, ""), 4: (-15, "")}) is None  # SIGTERM to all: outside
+    # torch stops the others with SIGTERM once one failed: only the failed one counts
+    assert failure_signature({0: (1, "ValueError: x"), 1: (-15, "")}) == frozenset(
+        {(0, 1, "ValueError: x")})
     raised = failure_signature({1: (1, "Traceback...\nValueError: loss is nan\n")})
     assert raised == frozenset({(1, 1, "ValueError: loss is nan")})
-    assert failure_signature({0: (-11, "")}) == frozenset({(0, -11, "")})  # a crash counts
+    assert failure_signature({0: (-11, "Signal 11 (SIGSEGV) received by PID 7")}) == frozenset(
+        {(0, -11, "SIGSEGV")})  # a crash counts, whatever its pid
+    assert failure_signature({0: (1, "To enable traceback see: https://pytorch.org/docs")}
+                             ) == frozenset({(0, 1, "")})
 
 
 def test_a_script_that_fails_after_every_restore_tries_one_older_step_then_gives_up() -> None:
@@ -186,9 +192,15 @@ def test_progress_or_another_failure_starts_counting_again() -> None:
     verdict, history = guard_failure(history, signature=None, committed=history.high_water,
                                      restored=history.high_water - 2, limit=2)
     assert verdict is Guard.RESTART and history.same == 1  # transient: no count, no reset
+    both = b | failure_signature({1: (1, "RuntimeError: gloo: connection reset")})
+    verdict, history = guard_failure(history, signature=both, committed=history.high_water,
+                                     restored=history.high_water - 2, limit=3)
+    assert verdict is Guard.RESTART and history.same == 2  # rank 0 failed the same way
     verdict, _ = guard_failure(history, signature=b, committed=history.high_water,
-                               restored=history.high_water - 2, limit=2)
+                               restored=history.high_water - 2, limit=3)
     assert verdict is Guard.GIVE_UP
     verdict, _ = guard_failure(history, signature=b, committed=history.high_water,
                                restored=history.high_water - 2, limit=0)
     assert verdict is Guard.RESTART  # limit 0: off
+    history = FailureHistory(high_water=5, signature=a, same=1)
+    assert guard_failure(history, signature=b, committed=5, restored=3, limit=2)[1].same == 1

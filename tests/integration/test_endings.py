@@ -1,0 +1,83 @@
+"""How jobs end when no one kills them: a script that fails after every restore, a
+restored step the script cannot take, failures from outside that must not count."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import GEMINI, SCRIPTS, env_with, events, run
+
+from launcher import memory
+
+TRAIN = str(SCRIPTS / "train_ckpt.py")
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> None:
+    before = set(memory.list_segments())
+    yield
+    left = set(memory.list_segments()) - before
+    assert not left, f"segments left behind: {sorted(left)}"
+
+
+def _starts(stdout: str) -> list[tuple[int, int]]:
+    """(attempt, start step) of rank 0, in order."""
+    return [(int(a), int(s)) for s, a in
+            re.findall(r"resume rank=0 start=(\d+) attempt=(\d+)", stdout)]
+
+
+def _gemini(tmp_path: Path, *args: str, restarts: int = 10) -> list[str]:
+    return [*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", str(restarts), TRAIN,
+            "--steps", "12", "--out", str(tmp_path / "out.pt"), *args]
+
+
+def test_a_script_that_fails_after_every_restore_stops_for_good(tmp_path: Path) -> None:
+    """Killed after step 6, the script raises after every restore: the second start
+    restores 6 and fails, the third restores the next older step (5) once, the fourth
+    restores 5 again and fails the same way a third time: gemini stops with exit code 7
+    (do not requeue) and one line saying why, long before --max-restarts is spent."""
+    done = run(_gemini(tmp_path, "--kill", "0:6:step", "--raise-after-restore", "0"),
+               env=env_with(tmp_path), timeout=240)
+    assert done.returncode == 7, done.output[-4000:]
+    assert _starts(done.stdout) == [(0, 0), (1, 7), (2, 6), (3, 6)]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("gemini: error:")]
+    assert len(errors) == 1 and "3 times in a row the same way" in errors[0], done.stderr[-3000:]
+    assert "(rank 0, exit code 1)" in errors[0] and "do not requeue" in errors[0]
+    found = events(tmp_path / "runs")
+    assert [e["step"] for e in found if e["event"] == "avoid_step"] == [6]
+    assert [e["failures"] for e in found if e["event"] == "no_progress"] == [3]
+    assert [e["step"] for e in found if e["event"] == "restore_plan"] == [None, 6, 5, 5]
+
+
+def test_a_restored_step_the_script_cannot_take_is_skipped_once(tmp_path: Path) -> None:
+    """The script cannot train from step 6's state (an older one it can): after one
+    failure the next round restores step 5 and the run ends bitwise equal to one that
+    never failed."""
+    reference = tmp_path / "reference"
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", TRAIN, "--steps", "12",
+                "--out", str(reference / "ref.pt")], env=env_with(reference))
+    assert done.returncode == 0, done.output[-3000:]
+    done = run(_gemini(tmp_path, "--kill", "0:6:step", "--raise-after-restore", "6"),
+               env=env_with(tmp_path), timeout=240)
+    assert done.returncode == 0, done.output[-4000:]
+    assert _starts(done.stdout) == [(0, 0), (1, 7), (2, 6)]
+    ours, theirs = torch.load(tmp_path / "out.pt"), torch.load(reference / "ref.pt")
+    for key, value in theirs["model"].items():
+        assert torch.equal(ours["model"][key], value), key
+    assert torch.equal(ours["rng"], theirs["rng"]) and ours["samples"] == theirs["samples"]
+
+
+def test_workers_killed_from_outside_never_count(tmp_path: Path) -> None:
+    """A worker SIGKILLed four times at the same step, nothing committed in between:
+    each is a transient fault, so the run restarts every time and finishes."""
+    kills = ["0:6:step", "1:7:copy:1", "1:7:copy:2", "1:7:copy:3"]
+    done = run(_gemini(tmp_path, *(a for k in kills for a in ("--kill", k)),
+                       "--max-same-failures", "2"), env=env_with(tmp_path), timeout=240)
+    assert done.returncode == 0, done.output[-4000:]
+    assert _starts(done.stdout) == [(0, 0), (1, 7), (2, 7), (3, 7), (4, 7)]
+    assert not [e for e in events(tmp_path / "runs") if e["event"] in ("no_progress",
+                                                                       "avoid_step")]
