@@ -28,6 +28,7 @@ from launcher.errors import (
     ConfigError,
     Interrupted,
     NoProgressError,
+    StorageError,
     StoreError,
     StoreUnavailableError,
     UsageError,
@@ -387,6 +388,12 @@ def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
                 "memory for the next `gemini run` of this run on this host") from None
         if isinstance(exc, (RendezvousError, DistError)):
             raise StoreError(f"rendezvous failed: {type(exc).__name__}: {exc}") from exc
+        if isinstance(exc, StorageError):  # nothing is wrong with what the slots committed
+            shutdown_rdzv = False  # this host's next run of the job joins it again
+            outcome = "storage_error"
+            host.owner.keep_segments()
+            raise StorageError(f"{exc}; the committed checkpoints stay in shared memory for "
+                               "the next `gemini run` of this run on this host") from None
         raise
     finally:
         if shutdown_rdzv:
@@ -554,16 +561,20 @@ def _worker_spec(launch_config: Any, entrypoint: Any, entry_args: tuple[Any, ...
 
 
 def _apply_torchrun_defaults(args: Any, parse_min_max_nnodes: Any) -> None:
-    """What ``torch.distributed.run.run`` does to its arguments before ``config_from_args``."""
+    """What ``torch.distributed.run.run`` does to its arguments before ``config_from_args``,
+    except that a single-host job keeps a ``--rdzv-id`` it was given (torchrun replaces it
+    with a random one): its next run on the host finds the checkpoints kept in memory or
+    persisted under that id."""
+    given = args.rdzv_id if args.rdzv_id not in ("", "none") else None
     if args.standalone:
         args.rdzv_backend = "c10d"
         args.rdzv_endpoint = "localhost:0"
-        args.rdzv_id = str(uuid.uuid4())
+        args.rdzv_id = given or str(uuid.uuid4())
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
         _, max_nodes = parse_min_max_nnodes(args.nnodes)
         if max_nodes == 1:
             args.rdzv_backend = "c10d"
             args.rdzv_endpoint = "localhost:0"
-            args.rdzv_id = str(uuid.uuid4())
+            args.rdzv_id = given or str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500

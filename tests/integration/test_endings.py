@@ -3,7 +3,9 @@ restored step the script cannot take, failures from outside that must not count.
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,37 @@ def test_workers_killed_from_outside_never_count(tmp_path: Path) -> None:
     assert _starts(done.stdout) == [(0, 0), (1, 7), (2, 7), (3, 7), (4, 7)]
     assert not [e for e in events(tmp_path / "runs") if e["event"] in ("no_progress",
                                                                        "avoid_step")]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs: needs root")
+def test_a_full_shared_memory_keeps_the_committed_step_for_the_next_run(tmp_path: Path) -> None:
+    """The state outgrows a 40 MiB /dev/shm at step 10: exit 4, one line, and the slots
+    stay; once memory is free (the tmpfs enlarged), the same command adopts the newest
+    committed step and ends bitwise equal to a run that had the memory all along."""
+    args = ["--steps", "20", "--grow-at", "10:16"]
+    reference = tmp_path / "reference"
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", TRAIN, *args, "--out",
+                str(reference / "ref.pt")], env=env_with(reference))
+    assert done.returncode == 0, done.output[-3000:]
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(shm)], check=True)
+    try:
+        env = env_with(tmp_path, GEMINI_SHM_DIR=str(shm))
+        argv = [*GEMINI, "run", "--nproc-per-node", "2", "--rdzv-id", "full", TRAIN, *args,
+                "--sleep", "0.05", "--out", str(tmp_path / "out.pt")]
+        done = run(argv, env=env, timeout=240)
+        assert done.returncode == 4, done.output[-3000:]
+        errors = [line for line in done.stderr.splitlines() if line.startswith("gemini: error:")]
+        assert len(errors) == 1 and "stay in shared memory" in errors[0], done.stderr[-3000:]
+        subprocess.run(["mount", "-o", "remount,size=200m", str(shm)], check=True)
+        done = run(argv, env=env, timeout=240)
+        assert done.returncode == 0, done.output[-3000:]
+        assert _starts(done.stdout)[0][1] >= 10, done.stdout[:2000]
+        assert not list(shm.rglob("gemini-*-r*"))  # the finished run released them
+    finally:
+        subprocess.run(["umount", "-l", str(shm)], check=False)
+    ours, theirs = torch.load(tmp_path / "out.pt"), torch.load(reference / "ref.pt")
+    for key, value in theirs["model"].items():
+        assert torch.equal(ours["model"][key], value), key
+    assert torch.equal(ours["rng"], theirs["rng"]) and ours["samples"] == theirs["samples"]

@@ -44,6 +44,9 @@ p.add_argument("--private-mb", type=int, default=0,
 p.add_argument("--raise-after-restore", type=int, default=None, metavar="STEP",
                help="rank 0 raises right after restoring any step >= STEP: a state the "
                "script cannot take (an older one it can)")
+p.add_argument("--grow-at", default="", metavar="STEP:MB",
+               help="from step STEP on, extra holds MB MiB more of private bytes: the state "
+               "outgrows its slots (with a full /dev/shm, the new ones cannot be made)")
 p.add_argument("--report-slots", action="store_true",
                help="rank 0 prints the bytes of the last step in the host's own slots "
                "(every rank's) and the bytes of one model and optimizer state")
@@ -126,6 +129,8 @@ for step in range(start, args.steps):
     if args.private_mb:
         extra["private"].copy_(torch.rand(args.private_mb << 18,
                                           generator=torch.Generator().manual_seed(step * 7919 + rank)))
+    if args.grow_at and step == int(args.grow_at.split(":")[0]):
+        extra["grown"] = torch.ones(int(args.grow_at.split(":")[1]) << 18)
     if copy_kill_steps:
         arm(step)
     ckpt.save(step)
