@@ -38,8 +38,13 @@ def export_command(out_dir: Path, run_id: str, from_dir: Path | None, step: int 
     layout (an optimizer's state must exist first, e.g. after one step), or convert it
     with torch.distributed.checkpoint.format_utils.dcp_to_torch_save.
 
-    Exit codes: 0 written; 2 OUT_DIR not empty; 4 a directory is unusable; 5 no step
-    verifies.
+    OUT_DIR's .metadata is a pickle that the loader unpickles: load an export only from a
+    directory no other user can write. OUT_DIR, if it exists, must be yours and not
+    writable by others; one that is created is mode 0700, and the files are mode 0600.
+    --from-dir reads only your own files.
+
+    Exit codes: 0 written; 2 OUT_DIR not empty; 4 a directory is unusable (missing, a
+    link, another user's, or writable by others); 5 no step verifies.
     """
     from launcher import export
 

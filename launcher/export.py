@@ -6,7 +6,11 @@ inspect``), written as a ``torch.distributed.checkpoint`` directory
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +18,11 @@ from typing import Any
 
 from launcher import memory
 from launcher.errors import CheckpointError, StorageError, UsageError
-from launcher.persist import SlotImage, read_slot_file, scan, slot_path
+from launcher.persist import SlotImage, check_run_dir, read_slot_file, scan, slot_path
+
+#: What gemini export writes last: DCP's metadata, a pickle its loader unpickles; the
+#: directory is complete (loadable) only once it is there.
+METADATA = ".metadata"
 
 
 def _snapshot(segment: memory.Segment) -> SlotImage | None:
@@ -58,6 +66,7 @@ def open_checkpoint(run_id: str, *, rank: int = 0, step: int | None = None,  # n
         if not directory.is_dir():
             raise StorageError(f"{directory} is not a directory")
         where = str(directory)
+        check_run_dir(directory, run_id)  # another user's: refused, not merely skipped
         steps = sorted(scan(directory, run_id).get(rank, []), reverse=True)
         for found in steps:
             if step is not None and found != step:
@@ -135,15 +144,20 @@ def export_checkpoint(out_dir: Path, run_id: str, *, rank: int = 0, step: int | 
     state must exist first, e.g. after one step) or convert it with
     ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``.
 
+    DCP's ``.metadata`` is a pickle, which its loader unpickles: whoever can replace it runs
+    code as the user who loads the export. So ``out_dir``, when it exists, must be a
+    directory of the caller that no other user can write (a link is not followed); one
+    that is made is made mode 0700; the files are written mode 0600 in a private staging
+    directory inside it and moved into place, ``.metadata`` last, so nobody else can read,
+    replace or pre-plant any of them.
+
     Raises UsageError if ``out_dir`` is not empty, StorageError if it or ``directory`` is
-    not usable, CheckpointError if no step verifies.
+    not usable (another user's, or writable by others), CheckpointError if no step
+    verifies.
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() or out_dir.is_symlink():
-        if not out_dir.is_dir():
-            raise StorageError(f"{out_dir} exists and is not a directory")
-        if any(out_dir.iterdir()):
-            raise UsageError(f"{out_dir} is not empty; export into a new or empty directory")
+    if os.path.lexists(out_dir):
+        _check_out_dir(out_dir)
     with open_checkpoint(run_id, rank=rank, step=step, directory=directory) as image, \
             ExitStack() as others:
         import warnings
@@ -169,17 +183,96 @@ def export_checkpoint(out_dir: Path, run_id: str, *, rank: int = 0, step: int | 
                                   if k in state}
     state_dict["step"] = found
     tensors = [t for t in _leaves(state_dict) if isinstance(t, torch.Tensor)]
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def write(staging: Path) -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled")
-            save(state_dict, storage_writer=FileSystemWriter(out_dir), no_dist=True)
+            save(state_dict, storage_writer=FileSystemWriter(staging), no_dist=True)
+
+    try:
+        _write_private(out_dir, write)
     except OSError as exc:
         raise StorageError(f"cannot write {out_dir}: {exc.strerror or exc}") from None
     except CheckpointException as exc:
         raise StorageError(f"cannot write {out_dir}: {' '.join(str(exc).split())}") from None
     return ExportResult(run_id, rank, found, source, out_dir, len(tensors),
                         sum(t.numel() * t.element_size() for t in tensors))
+
+
+def _out_dir_refusal(info: os.stat_result) -> str | None:
+    """Why a directory with ``info`` (from ``lstat``/``fstat``) must not receive an
+    export, or None."""
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link; export into a directory of yours"
+    if not stat.S_ISDIR(info.st_mode):
+        return "exists and is not a directory"
+    if info.st_uid != os.geteuid():
+        return f"belongs to uid {info.st_uid}; export into a directory of yours"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"is writable by other users (mode {stat.S_IMODE(info.st_mode):o}), who "
+                "could replace the export's pickled .metadata; chmod go-w it or export "
+                "into a new directory")
+    return None
+
+
+def _check_out_dir(out_dir: Path) -> None:
+    """StorageError unless the existing ``out_dir`` is a directory of the caller that
+    others cannot write; UsageError if it is not empty."""
+    why = _out_dir_refusal(os.lstat(out_dir))
+    if why is not None:
+        raise StorageError(f"{out_dir} {why}")
+    if any(out_dir.iterdir()):
+        raise UsageError(f"{out_dir} is not empty; export into a new or empty directory")
+
+
+def _open_out_dir(out_dir: Path) -> int:
+    """A descriptor of ``out_dir``, made mode 0700 if missing, checked as
+    :func:`_check_out_dir` checks it (also if another user made it meanwhile)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(out_dir, 0o700)
+    except FileExistsError:
+        _check_out_dir(out_dir)
+    try:
+        fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        _check_out_dir(out_dir)  # replaced by a link or a file: says so
+        raise
+    why = _out_dir_refusal(os.fstat(fd))
+    if why is not None:
+        os.close(fd)
+        raise StorageError(f"{out_dir} {why}")
+    return fd
+
+
+def _write_private(out_dir: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(staging)`` on a new private directory (mode 0700) inside ``out_dir``,
+    then make what it wrote mode 0600 (directories 0700) and move it into ``out_dir``,
+    :data:`METADATA` last; the staging directory is removed in any case. DCP's writer
+    opens its files by name with the umask's mode: in the staging directory nobody else
+    can see, pre-plant or replace them."""
+    out_fd = _open_out_dir(out_dir)
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=".gemini-export-", dir=out_dir))
+        try:
+            write(staging)
+            for folder, dirs, files in os.walk(staging):
+                for name in dirs:
+                    os.chmod(os.path.join(folder, name), 0o700)
+                for name in files:
+                    os.chmod(os.path.join(folder, name), 0o600)
+            names = sorted(os.listdir(staging), key=lambda name: name == METADATA)
+            staging_fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                                 | os.O_CLOEXEC)
+            try:
+                for name in names:
+                    os.rename(name, name, src_dir_fd=staging_fd, dst_dir_fd=out_fd)
+            finally:
+                os.close(staging_fd)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        os.close(out_fd)
 
 
 def _leaves(obj: Any) -> Iterator[Any]:
