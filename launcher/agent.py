@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import sys
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -376,6 +377,7 @@ def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
         shutdown_rdzv = False
         outcome = "interrupted"
         torch_events.record(agent.get_event_failed(), launch_config.event_log_handler)
+        _persist_on_exit(config, host, agent)
         raise Interrupted(int(exc.sigval)) from None
     except Exception as exc:
         outage = _store_outage(exc)
@@ -400,6 +402,40 @@ def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
             spec.rdzv_handler.shutdown()
         host.events.write("exit", outcome=outcome)
         host.close(wait=outcome != "store_unavailable")
+
+
+#: Seconds of a stop by signal that go to agreeing with the other hosts on the step to
+#: persist (the rest of --exit-grace writes it).
+EXIT_AGREE = 5.0
+
+
+def _persist_on_exit(config: RunConfig, host: _Host, agent: GeminiAgent) -> None:
+    """A signal ends the job (a preemption: SLURM, spot instances and Kubernetes send
+    SIGTERM, then SIGKILL after a grace period) and its workers have stopped: write the
+    newest step that every rank holds, agreed with the other hosts, to the persistent
+    tier before the memory is freed, within ``--exit-grace`` seconds, and say so."""
+    persist = host.memory.persist
+    group = agent._worker_group
+    if persist is None or not getattr(config, 'persist_on_exit', True) or not group.workers:
+        return
+    began = time.monotonic()
+    deadline = began + getattr(config, 'exit_grace', 20.0)
+    world_size = group.workers[0].world_size
+
+    def choose(held: dict[int, list[int]]) -> int | None:
+        return host.coordination.agree_on_exit(
+            held, world_size, min(deadline, began + EXIT_AGREE))
+
+    step, ranks = persist.final(choose, deadline)
+    seconds = round(time.monotonic() - began, 3)
+    host.events.write("persist_on_exit", step=step, ranks=ranks, seconds=seconds)
+    if step is None:
+        print("gemini: stopping: no step held by every rank to persist", file=sys.stderr,
+              flush=True)
+    else:
+        print(f"gemini: stopping: persisted step {step} of rank(s) "
+              f"{', '.join(map(str, ranks)) or 'none'} to {persist.directory} in {seconds} s",
+              file=sys.stderr, flush=True)
 
 
 def _stop_without_progress(agent: GeminiAgent, result: RunResult | None, host: _Host,

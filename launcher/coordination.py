@@ -21,6 +21,9 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
                             from ``host`` (``launcher.heartbeat``; a majority makes it lost)
     events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...);
                             the root keeps the newest STORE_EVENT_LIMIT
+    exit/<host>             JSON: the steps each of ``host``'s ranks holds in memory as the
+                            job ends on a signal (bound to its lease): every host persists
+                            the newest step all ranks hold (``agree_on_exit``)
     stopped                 JSON: why a host stopped the job for good (the no-progress
                             guard, ``report_stopped``): a host whose rendezvous then
                             closes ends with the same exit code (cleared at the next start)
@@ -58,7 +61,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -434,6 +437,36 @@ class CoordinationService:
         except StoreError as exc:
             logger.warning("could not deregister from the coordination store: %s", exc)
         self.store.close()
+
+    def agree_on_exit(self, held: Mapping[int, Collection[int]], world_size: int,
+                      deadline: float) -> int | None:
+        """The step to persist as the job ends (SIGTERM: a preemption): the newest step
+        every rank of the world holds in some host's memory. Each host publishes what its
+        ranks hold (``exit/<host>``, bound to its lease) and reads the others' until the
+        world is covered or the monotonic ``deadline`` passes; then the answer is the
+        newest step common to the ranks reported, so that every host persists its copy
+        of the same step."""
+        merged: dict[int, set[int]] = {}
+        try:
+            self.store.put(self.prefix + f"exit/{self.host_id}",
+                           _dump({str(rank): sorted(steps) for rank, steps in held.items()}),
+                           lease=self._lease)
+            while True:
+                merged = {}
+                for value in self.store.get_prefix(self.prefix + "exit/").values():
+                    for rank, steps in _parse_record(value).items():
+                        if rank.isdigit() and isinstance(steps, list):
+                            merged.setdefault(int(rank), set()).update(
+                                s for s in steps if isinstance(s, int))
+                if len(merged) >= world_size or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        except StoreError as exc:
+            logger.warning("cannot agree on the step to persist with the other hosts: %s", exc)
+        if not merged:
+            merged = {rank: set(steps) for rank, steps in held.items()}
+        common = set.intersection(*merged.values()) if merged else set()
+        return max(common) if common else None
 
     def report_stopped(self, reason: str) -> None:
         """Record that this host stops the job for good, and why (not bound to a lease:

@@ -804,6 +804,46 @@ class PersistWriter:
                                         f"{run_dir(self.directory, self.run_id)}: "
                                         f"{exc.strerror}"))
 
+    def final(self, choose: Callable[[dict[int, list[int]]], int | None],
+              deadline: float) -> tuple[int | None, list[int]]:
+        """Persist one step of every local rank as the job ends (a signal: a preemption),
+        after the workers stopped: the background writer is stopped first, then each rank's
+        copy of the step that ``choose`` picks from what the ranks hold (rank -> committed
+        steps) is written at full speed, ungated, until the monotonic ``deadline`` (a copy
+        still under way then is abandoned). Returns the step and the ranks whose copy of
+        it is published (persisted before included)."""
+        self.close()
+        with self._lock:
+            held = self._held()
+            step = choose({rank: sorted(steps) for rank, steps in held.items()})
+            if step is None:
+                return None, []
+            stop = threading.Event()
+            timer = threading.Timer(max(0.0, deadline - time.monotonic()), stop.set)
+            timer.daemon = True
+            timer.start()
+            done: list[int] = []
+            try:
+                for rank, steps in sorted(held.items()):
+                    if step not in steps:
+                        continue
+                    path = slot_path(self.directory, self.run_id, rank, step)
+                    try:
+                        if self._persist(rank, step, steps[step][1], path, stop=stop,
+                                         gated=False):
+                            self._persisted[rank] = step
+                            done.append(rank)
+                    except _Aborted:
+                        break
+                    except (StorageError, OSError) as exc:
+                        logger.warning("cannot persist rank %d step %d as the job ends: %s",
+                                       rank, step, exc)
+                if done:
+                    self._prune()
+            finally:
+                timer.cancel()
+            return step, done
+
     def watch_workers(self, pids: Iterable[int]) -> None:
         """The processes of this round's local workers: copies go while they are idle."""
         if self._gate is not None:
@@ -887,9 +927,12 @@ class PersistWriter:
                     steps[header.step] = (header.seq, segment)
         return held
 
-    def _persist(self, rank: int, step: int, segment: memory.Segment, path: Path) -> bool:
+    def _persist(self, rank: int, step: int, segment: memory.Segment, path: Path, *,
+                 stop: threading.Event | None = None, gated: bool = True) -> bool:
         """Copy ``segment`` (holding ``step`` of ``rank``) to ``path`` and publish it; False
-        if the slot changed before or during the copy (nothing is published)."""
+        if the slot changed before or during the copy (nothing is published). The copy
+        aborts once ``stop`` (default: the writer's own) is set; ``gated``: chunk by chunk
+        as the workers leave the CPU idle."""
         try:
             buf = segment.view
         except StorageError:
@@ -916,7 +959,8 @@ class PersistWriter:
             _preallocate(fd, end)
             with memoryview(buf) as view:
                 header_xxh3 = xxhash.xxh3_64_intdigest(view[:memory.HEADER_SIZE])
-                _copy_out(view, fd, end, self._stop, self._gate)
+                _copy_out(view, fd, end, self._stop if stop is None else stop,
+                          self._gate if gated else None)
             if not memory.unchanged(buf, header):
                 logger.debug("rank %d step %d changed during the copy; retried later",
                              rank, step)

@@ -117,3 +117,49 @@ def test_a_full_shared_memory_keeps_the_committed_step_for_the_next_run(tmp_path
     for key, value in theirs["model"].items():
         assert torch.equal(ours["model"][key], value), key
     assert torch.equal(ours["rng"], theirs["rng"]) and ours["samples"] == theirs["samples"]
+
+
+def test_sigterm_persists_the_newest_step_and_a_fresh_host_resumes_there(tmp_path: Path) -> None:
+    """A preemption: SIGTERM while the persistent tier is not due (every 600 s). gemini
+    writes the newest step every rank holds before it frees its memory, and the same
+    command on a fresh host (its own empty shared memory) resumes right after it and
+    ends bitwise equal to a run that was never stopped."""
+    import signal
+
+    from helpers import kill_group, poll, read_lines, start
+
+    args = ["--steps", "40", "--sleep", "0.1"]
+    reference = tmp_path / "reference"
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", TRAIN, *args, "--out",
+                str(reference / "ref.pt")], env=env_with(reference), timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    argv = [*GEMINI, "run", "--nproc-per-node", "2", "--rdzv-id", "preempted",
+            "--persist-dir", str(tmp_path / "persist"), TRAIN, *args,
+            "--out", str(tmp_path / "out.pt")]
+    first, second = tmp_path / "shm-a", tmp_path / "shm-b"
+    first.mkdir(), second.mkdir()
+    proc = start(argv, env=env_with(tmp_path, GEMINI_SHM_DIR=str(first)))
+    lines: list[str] = []
+    reader = read_lines(proc, lines)
+    try:
+        poll(lambda: any(line.startswith("step 15 ") for line in lines), 120, "step 15",
+             details=lambda: "\n".join(lines[-30:]))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM, "\n".join(lines[-30:])
+    finally:
+        kill_group(proc)
+        reader.join(10)
+    last = max(int(line.split()[1]) for line in lines if line.startswith("step "))
+    saved = [line for line in lines if "gemini: stopping: persisted step" in line]
+    assert len(saved) == 1, "\n".join(lines[-30:])
+    step = int(saved[0].split("persisted step ")[1].split()[0])
+    assert last - 1 <= step <= last + 1, (step, last)
+    assert "rank(s) 0, 1" in saved[0]
+    assert not [p for p in first.rglob("*") if p.is_file()]  # its memory was freed
+    done = run(argv, env=env_with(tmp_path, GEMINI_SHM_DIR=str(second)), timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    assert _starts(done.stdout)[0] == (0, step + 1), done.stdout[:1000]
+    ours, theirs = torch.load(tmp_path / "out.pt"), torch.load(reference / "ref.pt")
+    for key, value in theirs["model"].items():
+        assert torch.equal(ours["model"][key], value), key
+    assert torch.equal(ours["rng"], theirs["rng"]) and ours["samples"] == theirs["samples"]
