@@ -8,6 +8,7 @@ from launcher.errors import (
     GeminiError,
     HostUnhealthyError,
     Interrupted,
+    NoProgressError,
     StorageError,
     StoreError,
     WorkerFailedError,
@@ -21,6 +22,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (StorageError, 4),
     (CheckpointError, 5),
     (HostUnhealthyError, 6),
+    (NoProgressError, 7),  # do not requeue: it would fail the same way again
     (GeminiError, 1),
 )
 USAGE_EXIT = 2
@@ -41,3 +43,14 @@ def code_for(kind: type[BaseException]) -> int:
     """The exit code of errors of ``kind``, for a command that reports one without
     raising it (``gemini inspect`` prints every slot, then exits as for a corrupt one)."""
     return next((code for cls, code in EXIT_CODES if issubclass(kind, cls)), INTERNAL_EXIT)
+
+
+def printable(text: str) -> str:
+    """``text`` with every character that is not printable written as a visible escape
+    (``\\x1b``, ``\\u202e``): what gemini prints of text it does not control (values from
+    the coordination store, error messages that quote input) cannot drive the terminal
+    (ESC starts the sequences that set the clipboard or clear the screen; bidi overrides
+    reorder what is shown)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)

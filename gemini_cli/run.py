@@ -66,6 +66,15 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "Persist every N steps, or every Ts seconds.  [default: 600s]"),
     (("--persist-keep", "--persist_keep"), "persist_keep",
      "Complete persisted steps to keep.  [default: 2]"),
+    (("--persist-on-exit/--no-persist-on-exit",), "persist_on_exit",
+     "On a stop by signal (a preemption), persist the newest step of every rank to "
+     "--persist-dir before exiting.  [default: persist-on-exit]"),
+    (("--exit-grace", "--exit_grace"), "exit_grace",
+     "Seconds a stop by signal may spend persisting; keep it below the scheduler's grace "
+     "period.  [default: 20]"),
+    (("--max-same-failures", "--max_same_failures"), "max_same_failures",
+     "Restarts failing the same way with no new step in between before the job stops for "
+     "good with exit code 7 (do not requeue); 0: never.  [default: 3]"),
 )
 
 

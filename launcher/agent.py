@@ -355,7 +355,7 @@ def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
             declare_dead=host.coordination.declare_dead,
             report_failure=host.coordination.report_failure,
             forget=lambda: host.owner.discard_newer_than(-1),
-            restores=host.memory, max_same_failures=getattr(config, "max_same_failures", 3),
+            restores=host.memory, max_same_failures=config.max_same_failures,
         )
         host.coordination.on_lost = agent.wake
         host.coordination.on_failed = agent.member_failed
@@ -416,10 +416,10 @@ def _persist_on_exit(config: RunConfig, host: _Host, agent: GeminiAgent) -> None
     tier before the memory is freed, within ``--exit-grace`` seconds, and say so."""
     persist = host.memory.persist
     group = agent._worker_group
-    if persist is None or not getattr(config, 'persist_on_exit', True) or not group.workers:
+    if persist is None or not config.persist_on_exit or not group.workers:
         return
     began = time.monotonic()
-    deadline = began + getattr(config, 'exit_grace', 20.0)
+    deadline = began + config.exit_grace
     world_size = group.workers[0].world_size
 
     def choose(held: dict[int, list[int]]) -> int | None:

@@ -22,6 +22,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from launcher.contract import ENV_HOST_ID
 from launcher.errors import ConfigError
 from launcher.events import check_run_id
 from launcher.store import EtcdCredentials
@@ -168,6 +169,15 @@ class RunConfig:
     """How often the persistent tier is written: ``N`` steps or ``Ts`` seconds."""
     persist_keep: int = dataclasses.field(default=2, metadata={"gemini": True})
     """Complete persisted steps kept; older ones are deleted."""
+    persist_on_exit: bool = dataclasses.field(default=True, metadata={"gemini": True})
+    """On a stop by signal (a preemption), persist the newest step every rank holds to
+    ``persist_dir`` before the memory is freed (no effect without ``persist_dir``)."""
+    exit_grace: float = dataclasses.field(default=20.0, metadata={"gemini": True})
+    """Seconds a stop by signal may spend persisting before the supervisor exits (keep it
+    below the scheduler's grace period, e.g. SLURM's ``--signal`` lead time)."""
+    max_same_failures: int = dataclasses.field(default=3, metadata={"gemini": True})
+    """Restarts that fail the same way without a new step in between before the job stops
+    for good with exit code 7 (do not requeue); 0 turns the guard off."""
 
     # Complexity above 10: one check per field, in one place.
     def __post_init__(self) -> None:  # noqa: C901
@@ -195,6 +205,8 @@ class RunConfig:
             ("replicate_every", self.replicate_every >= 0, ">= 0"),
             ("replication_rate", 0 <= self.replication_rate < math.inf, ">= 0 MB/s, finite"),
             ("persist_keep", self.persist_keep >= 1, ">= 1"),
+            ("exit_grace", 0 <= self.exit_grace <= DAY, "between 0 and 86400 seconds"),
+            ("max_same_failures", self.max_same_failures >= 0, ">= 0"),
             ("node_rank", self.node_rank >= 0, ">= 0"),
             ("max_restarts", self.max_restarts >= 0, ">= 0"),
             ("monitor_interval", 0 < self.monitor_interval <= DAY, "> 0 and at most 86400"),
@@ -429,13 +441,29 @@ def env_values(environ: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
+def check_host_id(host_id: str) -> str:
+    """``host_id`` if it is a safe host id, by the rules of run ids (it names store keys,
+    shared-memory segments, and ``gemini status`` shows it); else ConfigError naming
+    ``GEMINI_HOST_ID``."""
+    try:
+        return check_run_id(host_id)
+    except ConfigError:
+        shown = host_id if len(host_id) <= 40 else host_id[:40] + "..."
+        raise ConfigError(f"environment variable {ENV_HOST_ID}={shown!r}: use 1-128 letters, "
+                          "digits, '.', '_', ':' or '-', not starting with '.', ':' or '-'",
+                          field="host_id") from None
+
+
 def resolve(
     *,
     cli: Mapping[str, Any],
     environ: Mapping[str, str],
     file_values: Mapping[str, Any],
 ) -> RunConfig:
-    """Merge the sources by precedence (command line > environment > file > default)."""
+    """Merge the sources by precedence (command line > environment > file > default);
+    ``GEMINI_HOST_ID`` in ``environ`` is checked too (empty: the host name is used)."""
+    if environ.get(ENV_HOST_ID):
+        check_host_id(environ[ENV_HOST_ID])
     merged: dict[str, Any] = dict(file_values)
     sources = dict.fromkeys(file_values, "the config file")
     for name, value in env_values(environ).items():

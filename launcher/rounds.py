@@ -207,16 +207,22 @@ def guard_failure(history: FailureHistory, *, signature: Signature | None, commi
 
     ``committed`` is the newest step this host's workers committed so far, ``restored``
     the step their round restored (-1: none), ``limit`` ``--max-same-failures`` (0: off).
-    Two failures are the same when a rank failed in both with the same exit code and
-    message (the other ranks of a host may die of the first one's failure, or be stopped
-    first, from one time to the next). Progress (a step beyond every step committed
+    Two failures are the same when a rank failed in each with the same exit code and
+    message, not necessarily the same rank (which rank dies first of one failure, and
+    which of the others die of it or are stopped by torch, changes from one time to the
+    next). Progress (a step beyond every step committed
     before) starts a new episode; a transient failure (``signature`` None) neither counts
-    nor ends one."""
+    nor ends one. Before any step was committed (a script without gemini's Checkpointer,
+    or one failing before its first save) progress cannot be seen: restarts are bounded
+    by ``--max-restarts`` alone, as with torchrun."""
+    if committed < 0:
+        return Guard.RESTART, history
     if committed > history.high_water:
         history = FailureHistory(high_water=committed)
     if signature is None:
         return Guard.RESTART, history
-    common = signature & history.signature if history.signature else frozenset()
+    kinds = {(code, message) for _, code, message in history.signature or ()}
+    common = frozenset(s for s in signature if s[1:] in kinds)
     history = replace(history, signature=common or signature,
                       same=history.same + 1 if common else 1)
     same = history.same

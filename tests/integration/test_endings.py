@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import GEMINI, SCRIPTS, env_with, events, run
+from helpers import GEMINI, SCRIPTS, env_with, events, kill_group, run
 
 from launcher import memory
 
@@ -32,9 +32,11 @@ def _starts(stdout: str) -> list[tuple[int, int]]:
             re.findall(r"resume rank=0 start=(\d+) attempt=(\d+)", stdout)]
 
 
-def _gemini(tmp_path: Path, *args: str, restarts: int = 10) -> list[str]:
-    return [*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", str(restarts), TRAIN,
-            "--steps", "12", "--out", str(tmp_path / "out.pt"), *args]
+def _gemini(tmp_path: Path, *args: str, restarts: int = 10, flags: tuple[str, ...] = ()
+            ) -> list[str]:
+    """``gemini run`` of the training script with gemini's ``flags`` and the script's ``args``."""
+    return [*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", str(restarts), *flags,
+            TRAIN, "--steps", "12", "--out", str(tmp_path / "out.pt"), *args]
 
 
 def test_a_script_that_fails_after_every_restore_stops_for_good(tmp_path: Path) -> None:
@@ -78,7 +80,7 @@ def test_workers_killed_from_outside_never_count(tmp_path: Path) -> None:
     each is a transient fault, so the run restarts every time and finishes."""
     kills = ["0:6:step", "1:7:copy:1", "1:7:copy:2", "1:7:copy:3"]
     done = run(_gemini(tmp_path, *(a for k in kills for a in ("--kill", k)),
-                       "--max-same-failures", "2"), env=env_with(tmp_path), timeout=240)
+                       flags=("--max-same-failures", "2")), env=env_with(tmp_path), timeout=240)
     assert done.returncode == 0, done.output[-4000:]
     assert _starts(done.stdout) == [(0, 0), (1, 7), (2, 7), (3, 7), (4, 7)]
     assert not [e for e in events(tmp_path / "runs") if e["event"] in ("no_progress",
@@ -163,3 +165,56 @@ def test_sigterm_persists_the_newest_step_and_a_fresh_host_resumes_there(tmp_pat
     for key, value in theirs["model"].items():
         assert torch.equal(ours["model"][key], value), key
     assert torch.equal(ours["rng"], theirs["rng"]) and ours["samples"] == theirs["samples"]
+
+
+@pytest.mark.etcd
+def test_sigterm_on_two_hosts_persists_one_step_of_every_rank(tmp_path: Path) -> None:
+    """Both hosts of a 2 x 2 job get SIGTERM (a preempted allocation): they agree on one
+    step, each persists its ranks' copies of it, and two fresh hosts resume right after
+    it, ending bitwise equal to a run never stopped."""
+    import signal
+    import time
+
+    from etcd_server import EtcdServer
+    from hosts import Host, assert_bitwise, wait_exit, wait_for
+
+    steps = ["--steps", "40", "--sleep", "0.1", "--out", str(tmp_path / "out.pt")]
+    reference = tmp_path / "reference"
+    done = run([*GEMINI, "run", "--nproc-per-node", "4", "--no-standby", TRAIN, *steps[:4],
+                "--out", str(reference / "ref.pt")], env=env_with(reference), timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    persist = tmp_path / "persist"
+    hosts: list[Host] = []
+    with EtcdServer() as etcd:
+        argv = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                "--rdzv-id", "preempt2", "--rdzv-conf", "last_call_timeout=1",
+                "--store", etcd.url, "--replication-addr", "127.0.0.1", "--no-standby",
+                "--persist-dir", str(persist), TRAIN, *steps]
+        try:
+            hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
+            wait_for(lambda: any(re.search(r"^step 15 ", h.output(), re.M) for h in hosts),
+                     180, "step 15", hosts)
+            for host in hosts:
+                host.proc.send_signal(signal.SIGTERM)
+            wait_exit(hosts, hosts, time.monotonic() + 120)
+            for host in hosts:
+                assert host.proc.returncode == 128 + signal.SIGTERM, host.output()[-3000:]
+            saved = [re.findall(r"persisted step (\d+) of rank\(s\) ([\d, ]+)", h.output())
+                     for h in hosts]
+            assert all(len(s) == 1 for s in saved), [h.output()[-2000:] for h in hosts]
+            assert saved[0][0][0] == saved[1][0][0]
+            step = int(saved[0][0][0])
+            assert sorted(int(r) for s in saved for r in s[0][1].split(", ")) == [0, 1, 2, 3]
+            fresh = [Host(tmp_path, f"fresh{i}", argv) for i in range(2)]
+            hosts += fresh
+            wait_exit(fresh, hosts, time.monotonic() + 240)
+            for host in fresh:
+                assert host.proc.returncode == 0, host.output()[-3000:]
+            resumed = {int(s) for h in fresh
+                       for s in re.findall(r"resume rank=\d+ start=(\d+) attempt=0", h.output())}
+            assert resumed == {step + 1}, [h.output()[:1500] for h in fresh]
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    assert_bitwise(torch.load(tmp_path / "out.pt"), torch.load(reference / "ref.pt"))

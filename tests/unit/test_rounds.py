@@ -204,3 +204,15 @@ def test_progress_or_another_failure_starts_counting_again() -> None:
     assert verdict is Guard.RESTART  # limit 0: off
     history = FailureHistory(high_water=5, signature=a, same=1)
     assert guard_failure(history, signature=b, committed=5, restored=3, limit=2)[1].same == 1
+
+
+def test_without_a_committed_step_only_max_restarts_bounds_the_restarts() -> None:
+    """A script without gemini's Checkpointer shows no steps: it fails like under torchrun."""
+    from launcher.rounds import FailureHistory, Guard, failure_signature, guard_failure
+
+    crash = failure_signature({1: (3, "")})
+    history = FailureHistory()
+    for _ in range(5):
+        verdict, history = guard_failure(history, signature=crash, committed=-1,
+                                         restored=-1, limit=2)
+        assert verdict is Guard.RESTART and history.same == 0
