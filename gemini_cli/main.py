@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import click
 
 from gemini_cli.clean import clean_command
-from gemini_cli.errors import INTERNAL_EXIT, USAGE_EXIT, exit_code
+from gemini_cli.errors import INTERNAL_EXIT, USAGE_EXIT, exit_code, printable
 from gemini_cli.export import export_command
 from gemini_cli.inspect import inspect_command
 from gemini_cli.plan import plan_command
@@ -44,7 +44,8 @@ cli.add_command(export_command)
 
 
 def _fail(message: str, code: int) -> int:
-    click.echo(f"gemini: error: {message}", err=True)
+    # One line, printable: a message may quote input (a flag, a value from a file).
+    click.echo(f"gemini: error: {printable(' '.join(message.split()))}", err=True)
     return code
 
 
@@ -86,6 +87,6 @@ def entry() -> None:
 
         if os.environ.get("GEMINI_DEBUG"):
             traceback.print_exc()
-        click.echo(f"gemini: internal error: {type(exc).__name__}: {exc} "
+        click.echo(f"gemini: internal error: {type(exc).__name__}: {printable(str(exc))} "
                    "(set GEMINI_DEBUG=1 for the traceback)", err=True)
         sys.exit(INTERNAL_EXIT)

@@ -94,17 +94,22 @@ class _Parser(argparse.ArgumentParser):
         self._torchrun = frozenset(a.dest for a in torchrun._actions)
 
     def _get_option_tuples(self, option_string: str) -> list[Any]:
-        """The flags a prefix could mean: one per flag (both spellings of one flag are
-        one match), and torchrun's alone when it matches one of torchrun's as well as
-        gemini's, so that what torchrun accepts means here what it means there."""
+        """The flags a prefix could mean: torchrun's only, one per flag (both spellings of
+        one flag are one match), so that what torchrun accepts means here what it means
+        there. gemini's own flags are never abbreviated: ``--store-password pw`` is an
+        unknown flag, not ``--store-password-file`` reading (and naming in its error) a
+        file called like the password."""
         first: dict[Any, Any] = {}
         for match in super()._get_option_tuples(option_string):
-            first.setdefault(match[0], match)
-        found = list(first.values())
-        torchrun = [t for t in found if t[0].dest in self._torchrun]
-        return torchrun if len(found) > 1 and len(torchrun) == 1 else found
+            if match[0].dest in self._torchrun:
+                first.setdefault(match[0], match)
+        return list(first.values())
 
     def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):  # name the flags, not their values (a password?)
+            message = prefix + " ".join(arg.split("=", 1)[0] + ("=..." if "=" in arg else "")
+                                        for arg in message[len(prefix):].split())
         raise click.UsageError(message, ctx=click.get_current_context(silent=True))
 
 

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import json
+import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+from gemini_cli.errors import printable
+
+if TYPE_CHECKING:
+    from rich.text import Text
 
 SCHEMA = "gemini.status/v1"
 
@@ -30,7 +36,10 @@ def status_command(store_url: str | None, run_id: str | None, as_json: bool,
     Exit code 0; 3 when the store is unreachable; 2 when the run is unknown.
     """
     from launcher.coordination import RunReader
+    from launcher.events import check_run_id
 
+    if run_id is not None:
+        check_run_id(run_id)  # it names a key prefix: no "/" reaching into another run
     with RunReader(store_url) as reader:
         while True:
             status = reader.status(run_id)
@@ -45,40 +54,50 @@ def status_command(store_url: str | None, run_id: str | None, as_json: bool,
 
 
 def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
+    """The human view. Every value from the store is shown as plain text (:func:`_text`):
+    any host of the run (or anyone who may write the store) chose it, so it is neither
+    markup for rich nor a terminal control sequence, and a value of an unexpected type
+    shows as its JSON, not as a crash."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    console = Console()
+    console = Console(highlight=False)
     if clear:
         console.clear()
     now = time.time()
-    console.print(f"run [bold]{status['run_id']}[/]  root: {status['root'] or '-'}  "
-                  f"store: {url}")
+    root = _plain(status.get("root")) if status.get("root") is not None else "-"
+    console.print(Text.assemble("run ", (_plain(status.get("run_id")), "bold"),
+                                f"  root: {root}  store: {printable(url)}"))
     hosts = Table(title="hosts")
     for column in ("host", "status", "pid", "ranks", "round", "restarts", "changed"):
         hosts.add_column(column)
     for h in status["hosts"]:
-        colour = {"alive": "green", "waiting": "yellow", "lost": "red"}.get(h["status"], "dim")
-        hosts.add_row(h["host"] + (" (root)" if h["host"] == status["root"] else ""),
-                      f"[{colour}]{h['status']}[/]", str(h.get("pid", "")),
-                      _ranks(h.get("ranks", [])), str(h.get("round", "")),
-                      str(h.get("restart_count", 0)), f"{now - h.get('updated', now):.0f} s ago")
+        name = _plain(h.get("host"))
+        state = _plain(h.get("status"))
+        colour = {"alive": "green", "waiting": "yellow", "lost": "red"}.get(state, "dim")
+        updated = _number(h.get("updated", now))
+        hosts.add_row(_text(name + (" (root)" if name == root else "")),
+                      _text(state, colour), _text(h.get("pid", "")),
+                      _text(_ranks(h.get("ranks"))), _text(h.get("round", "")),
+                      _text(h.get("restart_count", 0)),
+                      "-" if updated is None else f"{now - updated:.0f} s ago")
     console.print(hosts)
-    ready = set(status.get("ready_spares") or [])
-    console.print(_recoverable(status.get("replication"),
-                               [f"{h} ({'ready' if h in ready else 'warming up'})"
-                                for h in status.get("spares") or []]))
+    ready = {_plain(h) for h in status.get("ready_spares") or []}
+    spares = [f"{name} ({'ready' if name in ready else 'warming up'})"
+              for name in map(_plain, status.get("spares") or [])]
+    console.print(_text(_recoverable(status.get("replication"), spares)))
     ranks = Table(title="newest step per rank and tier")
     for column in ("rank", "host", "memory", "peer replicas", "lag", "persisted"):
         ranks.add_column(column)
     for rank, r in status["ranks"].items():
-        replicas = {host: step for host, step in (r.get("replicas") or {}).items()
-                    if step is not None}
-        newest = r.get("memory")
+        replicas = {_plain(host): step for host, step in (r.get("replicas") or {}).items()
+                    if _number(step) is not None}
+        newest = _number(r.get("memory"))
         lag = "-" if newest is None or not replicas else str(newest - min(replicas.values()))
-        ranks.add_row(rank, r.get("host", ""), _step(newest),
-                      ", ".join(f"{h}:{s}" for h, s in sorted(replicas.items())) or "-",
-                      lag, _step(r.get("persist")))
+        ranks.add_row(_text(rank), _text(r.get("host", "")), _text(_step(r.get("memory"))),
+                      _text(", ".join(f"{h}:{s}" for h, s in sorted(replicas.items())) or "-"),
+                      lag, _text(_step(r.get("persist"))))
     console.print(ranks)
     if status["events"]:
         events = Table(title="recent events")
@@ -86,30 +105,60 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
             events.add_column(column)
         for e in status["events"]:
             detail = {k: v for k, v in e.items() if k not in ("event", "host", "ts", "pid")}
-            events.add_row(time.strftime("%H:%M:%S", time.localtime(e.get("ts", 0))),
-                           e.get("host", ""), e.get("event", ""), _short(detail))
+            events.add_row(_clock(e.get("ts", 0)), _text(e.get("host", "")),
+                           _text(e.get("event", "")), _text(_short(detail)))
         console.print(events)
 
 
-def _recoverable(plan: dict[str, Any] | None, spares: list[str]) -> str:
+def _plain(value: object) -> str:
+    """A store value as one printable string: text as it is, anything else as JSON."""
+    return printable(value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+
+
+def _text(value: object, style: str = "") -> Text:
+    """A table cell that shows ``value`` literally (rich parses a ``str`` as markup)."""
+    from rich.text import Text
+
+    return Text(_plain(value), style=style)
+
+
+def _number(value: object) -> float | None:
+    """``value`` if it is a finite number (not a bool), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return value
+    return None
+
+
+def _clock(ts: object) -> str:
+    seconds = _number(ts)
+    try:
+        return "-" if seconds is None else time.strftime("%H:%M:%S", time.localtime(seconds))
+    except (OverflowError, OSError, ValueError):  # a time no clock shows
+        return "-"
+
+
+def _recoverable(plan: object, spares: list[str]) -> str:
     """One line on s*, the step every rank resumes from after a host loss, and the spares."""
     spare = f"  spares: {', '.join(spares)}" if spares else "  spares: none"
-    if not plan:
+    if not plan or not isinstance(plan, dict):
         return "host-loss recovery step: - (no replication between hosts)" + spare
-    if plan.get("sstar", -1) < 0:
-        return f"host-loss recovery step: none yet (first target {plan.get('target')})" + spare
-    return (f"host-loss recovery step s*: {plan['sstar']}  lag: {plan.get('lag_steps', 0)} "
-            f"steps ({plan.get('lag_seconds', 0.0):.1f} s)  replicated every "
-            f"{plan.get('every', 1)} steps" + spare)
+    sstar = _number(plan.get("sstar", -1))
+    if sstar is None or sstar < 0:
+        return f"host-loss recovery step: none yet (first target {_plain(plan.get('target'))})" + spare
+    return (f"host-loss recovery step s*: {_plain(plan['sstar'])}  lag: {_plain(plan.get('lag_steps', 0))} "
+            f"steps ({_number(plan.get('lag_seconds', 0.0)) or 0.0:.1f} s)  replicated every "
+            f"{_plain(plan.get('every', 1))} steps" + spare)
 
 
-def _step(step: int | None) -> str:
-    return "-" if step is None else str(step)
+def _step(step: object) -> str:
+    return "-" if step is None else _plain(step)
 
 
-def _ranks(ranks: list[int]) -> str:
-    if not ranks:
-        return "-"
+def _ranks(ranks: object) -> str:
+    if not isinstance(ranks, list) or not ranks:
+        return "-" if not ranks else _plain(ranks)
+    if not all(_number(r) is not None for r in ranks):
+        return _plain(ranks)
     return f"{min(ranks)}-{max(ranks)}" if len(ranks) > 1 else str(ranks[0])
 
 

@@ -25,6 +25,7 @@ import yaml
 from launcher.contract import ENV_HOST_ID
 from launcher.errors import ConfigError
 from launcher.events import check_run_id
+from launcher.files import read_user_file
 from launcher.store import EtcdCredentials
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
@@ -398,11 +399,7 @@ class _ConfigLoader(yaml.SafeLoader):
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """Read a ``gemini.yaml``; keys may be spelled with dashes or underscores."""
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(_CONFIG_MAX_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    raw = read_user_file(path, "config file", _CONFIG_MAX_BYTES)
     if len(raw) > _CONFIG_MAX_BYTES:
         raise ConfigError(f"config file {path}: larger than {_CONFIG_MAX_BYTES >> 20} MiB")
     try:
@@ -416,6 +413,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise ConfigError(f"config file {path}{where}: {problem}") from None
+    except ValueError as exc:  # a scalar the resolver cannot convert (a 5000-digit int)
+        raise ConfigError(f"config file {path}: {str(exc).split(';')[0]}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -842,17 +842,17 @@ def read_status(store: Store, run_id: str, *, max_events: int = 20) -> RunStatus
             elif kind == "alive":
                 alive.add(name)
             elif kind == "hosts":
-                hosts[name] = json.loads(value)
+                hosts[name] = _record(value)
             elif kind == "ranks":
-                status.ranks.setdefault(int(name), {}).update(json.loads(value))
+                status.ranks.setdefault(int(name), {}).update(_record(value))
             elif kind == "replicas":
                 rank, _, host = name.partition("/")
                 record = status.ranks.setdefault(int(rank), {})
-                record.setdefault("replicas", {})[host] = json.loads(value).get("step")
+                record.setdefault("replicas", {})[host] = _record(value).get("step")
             elif kind == "events":
-                status.events.append(json.loads(value))
+                status.events.append(_record(value))
             elif kind == "replication" and name == "plan":
-                status.replication = json.loads(value)
+                status.replication = _record(value)
         except (ValueError, UnicodeDecodeError):
             logger.warning("unreadable store value at %s", key)
     for name, record in sorted(hosts.items()):
@@ -863,7 +863,21 @@ def read_status(store: Store, run_id: str, *, max_events: int = 20) -> RunStatus
         status.hosts.append(record)
     if status.replication is not None:
         for record in status.ranks.values():
-            if record.get("host") in alive:
+            if isinstance(record.get("host"), str) and record["host"] in alive:
                 record["sstar"] = status.replication.get("sstar")
-    status.events = sorted(status.events, key=lambda e: e.get("ts", 0))[-max_events:]
+    status.events = sorted(status.events, key=_when)[-max_events:]
     return status
+
+
+def _record(value: bytes) -> dict[str, Any]:
+    """A JSON object read from the store; ValueError for anything else (any host of the
+    run, or anyone who may write its keys, wrote it)."""
+    record = json.loads(value)
+    if not isinstance(record, dict):
+        raise ValueError("not a JSON object")
+    return record
+
+
+def _when(event: dict[str, Any]) -> float:
+    ts = event.get("ts", 0)
+    return float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else 0.0

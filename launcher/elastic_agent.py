@@ -19,6 +19,7 @@ a run starts, so that commands other than ``gemini run`` stay fast.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import socket
@@ -42,6 +43,7 @@ from torch.distributed.elastic.rendezvous import RendezvousClosedError, Rendezvo
 from torch.distributed.elastic.utils import store as store_util
 from torch.distributed.elastic.utils.store import _NUM_MEMBERS
 
+from launcher.errors import ConfigError
 from launcher.events import EventLog, report_dead
 from launcher.rounds import (
     AfterFailure,
@@ -471,7 +473,15 @@ class GeminiAgent(LocalElasticAgent):
         for service in self._services:
             service.before_start(worker_group, self._round_store)
         self._reported_failure = False
-        pids = super()._start_workers(worker_group)
+        try:
+            pids = super()._start_workers(worker_group)
+        except OSError as exc:
+            if exc.errno != errno.E2BIG:
+                raise
+            raise ConfigError("cannot start the workers: their command line and environment "
+                              "(torch adds its variables to gemini's) exceed the system's "
+                              "limit on exec arguments; shorten the script's arguments or "
+                              "the environment") from None
         for worker in worker_group.workers:  # as torch does right after this returns
             worker.id = pids.get(worker.local_rank)
         for service in self._services:

@@ -11,8 +11,10 @@ module that ``dynamic_rendezvous`` calls), so that:
 - nothing read from a rendezvous store is unpickled: the state is plain JSON, parsed by
   a strict schema into torch's own ``_RendezvousState`` (anything else is refused);
 - with the run's secret (``--secret-file``, or the one an etcd or embedded store holds),
-  every state carries an HMAC-SHA256 of its bytes and a host refuses a state that does
-  not: a party without the secret can neither run code nor change the membership.
+  every state carries an HMAC-SHA256 of its bytes, and a state that does not verify
+  counts as empty: a party without the secret can neither run code nor change the
+  membership, and the state an earlier run of the same id left (signed with that run's
+  secret, which died with it) does not stop a new run.
 
 Format: ``gemini-rdzv 1 <mac> <json>`` (``-`` as the mac without a secret), where the
 MAC is keyed with ``HMAC(secret, "gemini rendezvous state" | run id)``.
@@ -24,7 +26,10 @@ import datetime
 import hashlib
 import hmac
 import json
+import math
 import pickle
+import sys
+import time
 from typing import Any
 
 MAGIC = b"gemini-rdzv 1 "
@@ -32,11 +37,18 @@ MAX_BYTES = 32 << 20
 """The largest state accepted: about 200,000 nodes' entries."""
 _UNSIGNED = b"-"
 _MAC_LEN = 64  # hex digits of an HMAC-SHA256
+WARN_EVERY = 60.0
+"""Seconds between two warnings about a state signed with another secret."""
 
 
 class StateRefused(pickle.UnpicklingError):
     """A rendezvous state that was not written by a host of this run, or is malformed
     (torch's state holder turns a ``pickle.PickleError`` into ``RendezvousStateError``)."""
+
+
+class OtherSecret(StateRefused):
+    """A state in gemini's format signed with another secret than this host's (or signed
+    where this host has none, or the reverse)."""
 
 
 def state_key(secret: bytes, run_id: str) -> bytes:
@@ -72,11 +84,11 @@ def decode(bits: bytes, key: bytes | None) -> Any:
     if key is not None:
         expected = hmac.new(key, body, hashlib.sha256).hexdigest().encode()
         if len(mac) != _MAC_LEN or not hmac.compare_digest(mac, expected):
-            raise StateRefused("the rendezvous state is not signed with this run's secret "
+            raise OtherSecret("the rendezvous state is not signed with this run's secret "
                                "(written by a party without it, or a host with another "
                                "--secret-file)")
     elif mac != _UNSIGNED:
-        raise StateRefused("the rendezvous state is signed but this host has no secret for "
+        raise OtherSecret("the rendezvous state is signed but this host has no secret for "
                            "this run (give every host the same --secret-file)")
     try:
         raw = json.loads(body)
@@ -103,12 +115,32 @@ class Codec:
 
     def __init__(self) -> None:
         self.key: bytes | None = None
+        self._warned = -math.inf
 
     def dumps(self, state: Any) -> bytes:
         return encode(state, self.key)
 
     def loads(self, bits: bytes) -> Any:
-        return decode(bits, self.key)
+        """The state ``bits`` hold; a fresh, empty state for one signed with another
+        secret (:class:`OtherSecret`): the state an earlier run of this id left behind
+        (its secret died with it), which no host of this run can use, or one forged by
+        a party without the secret, which must change nothing. Said on stderr at most
+        once a minute, naming the other cause too (a host with another
+        ``--secret-file`` would never meet this one)."""
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+        try:
+            return decode(bits, self.key)
+        except OtherSecret as exc:
+            now = time.monotonic()
+            if now - self._warned >= WARN_EVERY:
+                self._warned = now
+                print(f"gemini: warning: {exc}; starting a new rendezvous state (the one "
+                      "left by an earlier run of this id is ignored)", file=sys.stderr,
+                      flush=True)
+            state = _RendezvousState()
+            state.round = _next_round(bits)
+            return state
 
 
 CODEC = Codec()
@@ -126,6 +158,18 @@ def use_secret(secret: bytes | None, run_id: str) -> None:
     """Sign and check this process's rendezvous states with ``run_id``'s ``secret``
     (None: unsigned JSON, which still runs no code)."""
     CODEC.key = None if secret is None else state_key(secret, run_id)
+
+
+def _next_round(bits: bytes) -> int:
+    """The round after the one an unverified state names (0 if it names none): round
+    numbers only grow, because the keys a round leaves in the store (its bootstrap store
+    address, its replication addresses) are named by its number. The value is only a
+    number; a forged one moves the rounds on, which changes nothing else."""
+    try:
+        value = json.loads(bits[len(MAGIC):].partition(b" ")[2])["round"]
+        return _int(value) + 1 if _int(value) >= 0 else 0
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError):
+        return 0
 
 
 def _node(node: Any) -> list[Any]:

@@ -36,13 +36,13 @@ import socket
 import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 from launcher import memory
 from launcher.coordination import secret_key
 from launcher.errors import ConfigError, ReplicationError, StoreError
 from launcher.events import EventLog
+from launcher.files import read_user_file
 from launcher.priority import IdleGate, lower_priority
 from launcher.replication import placement, progress, transport
 from launcher.store import Lease, Store
@@ -118,12 +118,7 @@ def read_secret_file(secret_file: str) -> bytes:
     """The secret a --secret-file holds (stripped of surrounding white space); refused
     unless it holds at least :data:`MIN_SECRET_BITS` bits of material (32 hex digits, 22
     base64 characters, 16 random bytes: ``head -c 32 /dev/urandom | base64`` makes one)."""
-    try:
-        with open(Path(secret_file).expanduser(), "rb") as fh:
-            secret = fh.read(MAX_SECRET + 1)  # bounded: the file may be /dev/zero
-    except OSError as exc:
-        raise ConfigError(f"cannot read the secret file {secret_file}: "
-                          f"{exc.strerror or exc}") from None
+    secret = read_user_file(secret_file, "secret file", MAX_SECRET)
     if len(secret) > MAX_SECRET:
         raise ConfigError(f"secret file {secret_file}: longer than {MAX_SECRET} bytes")
     secret = secret.strip()

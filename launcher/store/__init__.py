@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, TypeVar
 
 from launcher.errors import ConfigError, StoreError
+from launcher.files import read_user_file
 
 logger = logging.getLogger(__name__)
 
@@ -84,11 +85,7 @@ class EtcdCredentials:
 
     def read(self, path: str, what: str) -> bytes:
         """The bytes of one credential file (bounded), or a ConfigError naming it."""
-        try:
-            with open(os.path.expanduser(path), "rb") as fh:
-                data = fh.read(MAX_CREDENTIAL_FILE + 1)
-        except OSError as exc:
-            raise ConfigError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+        data = read_user_file(path, what, MAX_CREDENTIAL_FILE)
         if not data or len(data) > MAX_CREDENTIAL_FILE:
             raise ConfigError(f"the {what} {path} is empty or larger than "
                               f"{MAX_CREDENTIAL_FILE} bytes")

@@ -21,8 +21,15 @@ from helpers import GEMINI, SCRIPTS, env_with, run
     (["run", "does-not-exist.py"], 2, "training script not found"),
     (["run", "--no-python", "no-such-binary-xyz"], 2, "not found or not executable"),
     (["run"], 2, "arguments are required: SCRIPT"),
-    (["run", "--config", "/nonexistent/gemini.yaml", "x.py"], 2, "cannot read config file"),
-    (["run", "--config", "/", "x.py"], 2, "cannot read config file /: Is a directory"),
+    (["run", "--config", "/nonexistent/gemini.yaml", "x.py"], 2, "cannot read the config file"),
+    (["run", "--config", "/", "x.py"], 2, "the config file / is not a regular file"),
+    # gemini's own flags are never abbreviated, and an unknown flag's value is not shown
+    (["run", "--store-password", "hunter2", "x.py"], 2, "unrecognized arguments: --store-password"),
+    (["run", "--store-password=hunter2", "x.py"], 2, "unrecognized arguments: --store-password=..."),
+    (["run", "--max-same", "1", "x.py"], 2, "unrecognized arguments: --max-same"),
+    (["run", "--max-restarts", "9" * 5000, "x.py"], 2, "is not a valid int"),
+    (["run", "--rdzv-id", "\x1b]52;c;aGk=\x07\u202e", "x.py"], 2, "run id '\\x1b]52;c;aGk=\\x07"),
+    (["status", "--run-id", "a/../b"], 2, "run id 'a/../b'"),
     (["run", "--rdzv-id", "../../x", str(SCRIPTS / "train_ckpt.py")], 2, "run id '../../x'"),
     (["run", "--rdzv-id", "a" * 200, str(SCRIPTS / "train_ckpt.py")], 2, "1-128 letters"),
     (["run", "--host-ttl", "inf", str(SCRIPTS / "train_ckpt.py")], 2, "host_ttl=inf"),
@@ -54,6 +61,7 @@ def test_bad_input_one_line(tmp_path: Path, args: list[str], exit_code: int,
      "c: [*b, *b, *b, *b, *b, *b, *b, *b, *b]\n", "aliases (*name) are not allowed"),
     ("run_root: \xff\xfe\n", "not UTF-8 text"),
     ("nnodes: " + "x" * 2_000_000 + "\n", "larger than 1 MiB"),
+    ("max_restarts: " + "9" * 5000 + "\n", "Exceeds the limit (4300 digits)"),
 ])
 def test_invalid_config_file(tmp_path: Path, text: str, message: str) -> None:
     (tmp_path / "gemini.yaml").write_bytes(text.encode("latin-1"))
@@ -71,7 +79,48 @@ def test_unreadable_config_file(tmp_path: Path) -> None:
     path.write_text("nnodes: 1\n")
     path.chmod(0)
     done = run([*GEMINI, "run", "--config", str(path), "x.py"], env=env_with(tmp_path))
-    assert done.returncode == 2 and "cannot read config file" in done.stderr
+    assert done.returncode == 2 and "cannot read the config file" in done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--config", "--secret-file", "--store-password-file"])
+def test_a_fifo_given_as_a_file_is_refused_at_once(tmp_path: Path, flag: str) -> None:
+    """A FIFO blocks whoever opens it until a writer comes: refused, never waited on."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    extra = ["--store-user", "u", "--store", "etcd://127.0.0.1:1"] if "password" in flag else []
+    done = run([*GEMINI, "run", *extra, flag, str(fifo), str(SCRIPTS / "idle.py"), "1"],
+               env=env_with(tmp_path), timeout=60)
+    assert done.returncode == 2, done.output
+    assert done.stderr.count("\n") == 1 and "is not a regular file" in done.stderr, done.stderr
+
+
+def test_a_host_id_that_is_not_a_name_is_refused(tmp_path: Path) -> None:
+    """GEMINI_HOST_ID names store keys and segments, and `gemini status` shows it: it
+    follows the rules of run ids (a '[/]' once made status exit 70)."""
+    for bad in ("a[/]b", "../x", "\x1b[2J"):
+        done = run([*GEMINI, "run", str(SCRIPTS / "idle.py"), "1"],
+                   env=env_with(tmp_path, GEMINI_HOST_ID=bad), timeout=60)
+        assert done.returncode == 2, done.output
+        assert done.stderr.count("\n") == 1 and "GEMINI_HOST_ID=" in done.stderr, done.stderr
+        assert "\x1b" not in done.stderr
+
+
+def test_a_worker_command_line_over_the_system_limit_is_a_usage_error(tmp_path: Path) -> None:
+    """An environment that fits gemini's exec but not a worker's (torch adds variables):
+    one line and exit 2, not an internal error."""
+    env = env_with(tmp_path)
+    argv = [*GEMINI, "run", "--no-standby", str(SCRIPTS / "idle.py"), "1"]
+    room = os.sysconf("SC_ARG_MAX") - 600 - sum(len(a) + 9 for a in argv) - sum(
+        len(k) + len(v) + 10 for k, v in env.items())
+    for i in range(room // 100_000 + 1):
+        size = min(100_000, room - 30)
+        if size <= 0:
+            break
+        env[f"GEMINI_TEST_FILL{i}"] = "x" * size
+        room -= size + 30
+    done = run(argv, env=env, timeout=120)
+    assert done.returncode == 2, done.output[-2000:]
+    assert "exceed the system's limit on exec arguments" in done.stderr, done.stderr[-2000:]
 
 
 def test_unwritable_persist_dir(tmp_path: Path) -> None:
@@ -161,7 +210,70 @@ def test_template_slurm_keeps_the_nodes_past_the_group_as_spares(
     assert done.returncode == 0, done.stderr
     args = (tmp_path / "srun.args").read_text().split()
     assert args[args.index("--nnodes") + 1] == nnodes, args
+    assert "--persist-dir" not in args
     env["GEMINI_SPARES"] = "3"
     done = subprocess.run(["bash", str(script), "train.py"], env=env, text=True,
                           capture_output=True, timeout=60)
     assert done.returncode == 2 and "leaves no node" in done.stderr
+
+
+def test_template_slurm_persists_on_preemption_and_never_requeues_exit_7(tmp_path: Path) -> None:
+    """With GEMINI_PERSIST_DIR the supervisors get --persist-dir (SIGTERM before the time
+    limit then persists the newest step); a job ending with exit code 7 (no progress) is
+    made non-requeueable and the script exits 7 too."""
+    script = tmp_path / "job.sbatch"
+    text = run([*GEMINI, "template", "slurm"]).stdout
+    assert "#SBATCH --signal=TERM@" in text
+    script.write_text(text)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/srun.args\nexit 7\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.args\n'
+                                      'echo node1\n')
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]",
+           "GEMINI_PERSIST_DIR": str(tmp_path / "shared dir")}
+    done = subprocess.run(["bash", str(script), "train.py"], env=env, text=True,
+                          capture_output=True, timeout=60)
+    assert done.returncode == 7, done.stderr
+    args = (tmp_path / "srun.args").read_text()
+    assert f"--persist-dir {tmp_path / 'shared dir'} train.py" in args, args
+    assert "update JobId=42 Requeue=0" in (tmp_path / "scontrol.args").read_text()
+    assert not list((tmp_path / ".gemini").glob("secret-*"))  # removed on the way out
+
+
+def test_status_shows_hostile_store_values_as_plain_text(tmp_path: Path) -> None:
+    """Whoever may write the run's keys (any host of the run) chose what `gemini status`
+    prints: markup, terminal escapes and values of the wrong type come out as inert text,
+    never as a crash or a sequence the terminal obeys."""
+    import json
+
+    from launcher.coordination import run_prefix
+    from launcher.store import open_store
+
+    url = f"embedded://{tmp_path / 'store.db'}"
+    prefix = run_prefix("hostile")
+    store = open_store(url)
+    try:
+        store.put(prefix + "root", b"[bold red]x[/]\x1b]52;c;aGk=\x07")
+        store.put(prefix + "hosts/[/]", json.dumps({"state": "\x1b[2J", "pid": "[/]",
+                                                    "ranks": ["a", None], "round": {"x": 1},
+                                                    "updated": "soon"}).encode())
+        store.put(prefix + "hosts/odd", b"[1, 2, 3]")
+        store.put(prefix + "replication/plan", json.dumps({"sstar": "[/]", "target": []}).encode())
+        store.put(prefix + "ranks/0", json.dumps({"host": "\u202eevil", "memory": "7",
+                                                  "persist": [1]}).encode())
+        store.put(prefix + "ranks/1", json.dumps({"host": ["h"], "memory": 2}).encode())
+        store.put(prefix + "events/1-x", json.dumps({"event": "[link=file:///]x[/link]",
+                                                     "ts": 1e300, "host": 3}).encode())
+    finally:
+        store.close()
+    for extra in ([], ["--json"]):
+        done = run([*GEMINI, "status", "--store", url, "--run-id", "hostile", *extra],
+                   env=env_with(tmp_path), timeout=60)
+        assert done.returncode == 0, done.output
+        assert "\x1b" not in done.stdout and "\u202e" not in done.stdout, done.stdout
+        if not extra:
+            assert "[/]" in done.stdout and "[bold red]" in done.stdout, done.stdout

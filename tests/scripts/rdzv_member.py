@@ -3,7 +3,8 @@
 usage: rdzv_member.py ENDPOINT RUN_ID
 Joins the c10d rendezvous at ENDPOINT (as a client of a store hosted elsewhere) and
 waits for a round of two nodes; prints "joined round" once the round has formed, then
-SIGKILLs itself, as a host lost at that moment would be.
+SIGKILLs itself, as a host lost at that moment would be. It encodes the rendezvous
+state as gemini's hosts do (JSON, unsigned: the run has no secret file).
 """
 
 import os
@@ -11,6 +12,10 @@ import signal
 import sys
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+
+from launcher import rendezvous_state
+
+rendezvous_state.install()
 
 endpoint, run_id = sys.argv[1], sys.argv[2]
 params = RendezvousParameters(backend="c10d", endpoint=endpoint, run_id=run_id, min_nodes=2,

@@ -133,6 +133,27 @@ def test_a_state_without_the_runs_secret_is_refused() -> None:
         decode(encode(state, KEY), state_key(b"0123456789abcdef0123456789abcdef", "other-job"))
 
 
+def test_a_state_signed_with_another_secret_reads_as_a_new_one(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """An earlier run of this id left its state, signed with its own (dead) secret: the
+    codec torch calls reads it as an empty state, so the new run rendezvous afresh
+    (a forger without the secret changes nothing either), and says so once a minute."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    monkeypatch.setattr(rendezvous_state.CODEC, "key", KEY)
+    monkeypatch.setattr(rendezvous_state.CODEC, "_warned", -1e9)
+    old = encode(_state(), state_key(b"the earlier run's secret........", "job"))
+    for _ in range(3):
+        fresh = rendezvous_state.CODEC.loads(old)
+        assert isinstance(fresh, _RendezvousState)
+        # the next round: the keys round 3 left in the store are not read as this run's
+        assert fresh.round == 4 and not fresh.participants and not fresh.complete
+    assert capsys.readouterr().err.count("starting a new rendezvous state") == 1
+    assert rendezvous_state.CODEC.loads(encode(_state(), KEY)).round == 3
+    with pytest.raises(StateRefused):  # not gemini's format at all: still refused
+        rendezvous_state.CODEC.loads(b"\x80\x04garbage")
+
+
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
                      lambda inner: st.lists(inner, max_size=4)
                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=20)

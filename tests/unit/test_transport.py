@@ -683,11 +683,19 @@ def test_frame_parser_fuzz() -> None:  # noqa: C901
 
 
 def test_secret_file_is_read_bounded() -> None:
-    """--secret-file /dev/zero (endless) or a short file: one clear error, read bounded."""
+    """--secret-file /dev/zero (endless, a device), a long or a missing file: one clear
+    error, read bounded."""
+    import tempfile
+
     from launcher.replication.service import load_secret
 
-    with pytest.raises(ConfigError, match="longer than 4096 bytes"):
+    with pytest.raises(ConfigError, match="is not a regular file"):
         load_secret("/dev/zero", None, "run")  # type: ignore[arg-type]
+    with tempfile.NamedTemporaryFile() as long:
+        long.write(b"k" * 10_000)
+        long.flush()
+        with pytest.raises(ConfigError, match="longer than 4096 bytes"):
+            load_secret(long.name, None, "run")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="cannot read the secret file"):
         load_secret("/nonexistent/secret", None, "run")  # type: ignore[arg-type]
 
