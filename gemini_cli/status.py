@@ -83,6 +83,11 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
                       _text(h.get("restart_count", 0)),
                       "-" if updated is None else f"{now - updated:.0f} s ago")
     console.print(hosts)
+    stopped = status.get("stopped")
+    if isinstance(stopped, dict):
+        console.print(Text.assemble(("stopped for good", "bold red"),
+                                    f" by host {_plain(stopped.get('host'))}: "
+                                    f"{_plain(stopped.get('reason'))}"), soft_wrap=True)
     ready = {_plain(h) for h in status.get("ready_spares") or []}
     spares = [f"{name} ({'ready' if name in ready else 'warming up'})"
               for name in map(_plain, status.get("spares") or [])]

@@ -752,6 +752,9 @@ class RunStatus:
     replication: dict[str, Any] | None = None
     """The replication plan: ``sstar``, ``target``, ``every``, ``lag_steps``,
     ``lag_seconds`` (None without replication)."""
+    stopped: dict[str, Any] | None = None
+    """Why a host stopped the job for good (``host``, ``reason``: the no-progress guard),
+    None unless one did since the run last started."""
 
     @property
     def spares(self) -> list[str]:
@@ -768,7 +771,7 @@ class RunStatus:
         return {"run_id": self.run_id, "root": self.root, "hosts": self.hosts,
                 "ranks": {str(k): v for k, v in sorted(self.ranks.items())},
                 "spares": self.spares, "ready_spares": self.ready_spares,
-                "replication": self.replication,
+                "replication": self.replication, "stopped": self.stopped,
                 "events": self.events}
 
 
@@ -853,6 +856,8 @@ def read_status(store: Store, run_id: str, *, max_events: int = 20) -> RunStatus
                 status.events.append(_record(value))
             elif kind == "replication" and name == "plan":
                 status.replication = _record(value)
+            elif kind == "stopped":
+                status.stopped = _record(value)
         except (ValueError, UnicodeDecodeError):
             logger.warning("unreadable store value at %s", key)
     for name, record in sorted(hosts.items()):

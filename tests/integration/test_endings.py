@@ -44,8 +44,8 @@ def test_a_script_that_fails_after_every_restore_stops_for_good(tmp_path: Path) 
     restores 6 and fails, the third restores the next older step (5) once, the fourth
     restores 5 again and fails the same way a third time: gemini stops with exit code 7
     (do not requeue) and one line saying why, long before --max-restarts is spent."""
-    done = run(_gemini(tmp_path, "--kill", "0:6:step", "--raise-after-restore", "0"),
-               env=env_with(tmp_path), timeout=240)
+    done = run(_gemini(tmp_path, "--kill", "0:6:step", "--raise-after-restore", "0",
+                       flags=("--rdzv-id", "endings")), env=env_with(tmp_path), timeout=240)
     assert done.returncode == 7, done.output[-4000:]
     assert _starts(done.stdout) == [(0, 0), (1, 7), (2, 6), (3, 6)]
     errors = [line for line in done.stderr.splitlines() if line.startswith("gemini: error:")]
@@ -55,6 +55,10 @@ def test_a_script_that_fails_after_every_restore_stops_for_good(tmp_path: Path) 
     assert [e["step"] for e in found if e["event"] == "avoid_step"] == [6]
     assert [e["failures"] for e in found if e["event"] == "no_progress"] == [3]
     assert [e["step"] for e in found if e["event"] == "restore_plan"] == [None, 6, 5, 5]
+    for extra in (["--json"], []):  # `gemini status` says why the job stopped
+        shown = run([*GEMINI, "status", "--run-id", "endings", *extra], env=env_with(tmp_path))
+        assert shown.returncode == 0, shown.output
+        assert "3 times in a row the same way" in shown.stdout, shown.stdout
 
 
 def test_a_restored_step_the_script_cannot_take_is_skipped_once(tmp_path: Path) -> None:
