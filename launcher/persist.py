@@ -653,16 +653,20 @@ def plan(held: Mapping[int, Collection[int]], persisted: Mapping[int, int], *,
 
     A rank's candidates are its steps newer than its persisted one that are multiples of
     ``every_steps`` (aligned, so that every rank on every host picks the same steps), or
-    in ``intents`` (join a step others persist), or any of them when it is ``time_due``.
-    Each rank takes its newest candidate that every rank with candidates shares, else its
-    newest: steps are only useful when complete for all ranks.
+    in ``intents`` (join a step others persist). When it is ``time_due``: the newest
+    intent among its steps, else the steps that every rank in ``held`` holds (a rank that
+    has committed nothing yet holds none: the host waits for it), since a step is only
+    useful once it is complete for every rank. Each rank takes its newest candidate that
+    every rank with candidates shares, else its newest.
     """
     candidates: dict[int, set[int]] = {}
+    everyone = set.intersection(*map(set, held.values())) if held else set()
     for rank, steps in held.items():
         fresh = {s for s in steps if s > persisted.get(rank, -1)}
         chosen = {s for s in fresh if (every_steps and s % every_steps == 0) or s in intents}
-        if rank in time_due:
-            chosen = fresh
+        if rank in time_due:  # one others started first, else one every local rank holds
+            joined = fresh & set(intents)
+            chosen = {max(joined)} if joined else fresh & everyone
         if chosen:
             candidates[rank] = chosen
     common = set.intersection(*candidates.values()) if candidates else set()
@@ -911,9 +915,11 @@ class PersistWriter:
         return published
 
     def _held(self) -> dict[int, dict[int, tuple[int, memory.Segment]]]:
-        """rank -> step -> (seq, slot) of every committed slot of this run."""
+        """rank -> step -> (seq, slot) of every committed slot of this run, for every local
+        rank with slots (none committed: empty)."""
         held: dict[int, dict[int, tuple[int, memory.Segment]]] = {}
         for rank, segments in self._sources().items():
+            held[rank] = {}  # a rank that has committed nothing yet holds no step
             for segment in segments:
                 try:
                     header = memory.read_header(segment.view)

@@ -13,7 +13,7 @@ if [ "$#" -gt 0 ] && { [ "$1" = unit ] || [ "$1" = integration ]; }; then
     set -- "tests/$1" "${@:2}"
 fi
 set +e
-"$VENV/bin/python" -m pytest --durations=25 "$@"
+"$VENV/bin/python" -m pytest --durations=60 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

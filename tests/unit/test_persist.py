@@ -40,6 +40,16 @@ def test_plan_aligns_steps_across_ranks() -> None:
     # join a step another rank or host started
     assert persist.plan({0: [20, 21]}, {0: 15}, every_steps=None, time_due=(),
                         intents={21, 7}) == {0: 21}
+    # by time, a host waits until every local rank holds the step (rank 1 committed first)
+    assert persist.plan({0: [], 1: [0]}, {}, every_steps=None, time_due={0, 1}) == {}
+    assert persist.plan({0: [1, 2], 1: [0, 1]}, {}, every_steps=None,
+                        time_due={0, 1}) == {0: 1, 1: 1}
+    # a rank due by time after another persisted step 0 alone (it committed first) joins
+    # step 0 rather than its newest: else no step is ever complete until the next period
+    assert persist.plan({0: [0, 1]}, {1: 0}, every_steps=None, time_due={0},
+                        intents={0}) == {0: 0}
+    assert persist.plan({0: [3, 4]}, {0: 2}, every_steps=None, time_due={0},
+                        intents={0, 2}) == {0: 4}  # intents it is past are not joined
     with pytest.raises(UsageError):
         persist.PersistWriter(Path("/nonexistent"), run_id="r", sources=dict)
     with pytest.raises(UsageError, match="keep"):
