@@ -80,7 +80,8 @@ ROOT = "gemini/runs/"
 #: Agent events mirrored into the store (the full log stays in the run directory).
 STORE_EVENTS = frozenset({"launch", "worker_exit", "hang", "restart", "exit", "host_lost",
                           "host_dead", "host_unresponsive", "root_elected", "restore_plan", "no_restart",
-                          "round_retry", "member_failed", "avoid_step", "no_progress"})
+                          "round_retry", "member_failed", "avoid_step", "no_progress",
+                          "replicas_diverged"})
 #: Seconds a probe of a peer's replication port may take: refused is proof that the
 #: peer's supervisor is gone; no answer proves nothing (its lease decides).
 PROBE_TIMEOUT = 0.5

@@ -11,9 +11,10 @@ from __future__ import annotations
 import ctypes
 import json
 import queue
+import struct
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -57,13 +58,22 @@ class Layout:
     ptrs: list[int]  # each small tensor's address when its byte view was made (-1: none)
     meta_room: int  # bytes of the slot left for the metadata
     records_len: int  # bytes of the records in the metadata, with their checksums
+    # Replica agreement: which batches and which large tensors (by their index among the
+    # large ones) hold only state every data-parallel replica has, and a key naming them
+    # (the same on every rank that keeps the same share of it; 0: none).
+    agree_groups: list[bool] = field(default_factory=list)
+    agree_large: list[int] = field(default_factory=list)
+    agree_key: int = 0
 
 
 def plan_layout(segment: memory.Segment, tensors: list[tuple[str, torch.Tensor]],
-                signature: tuple[Any, ...]) -> Layout:
+                signature: tuple[Any, ...], agree: Sequence[bool] = ()) -> Layout:
     """Where each of ``tensors`` goes in ``segment``: the small CPU tensors first, back to
     back (copied in batches of about ``memory.COPY_CHUNK`` bytes, one checksum per batch),
-    then the others (one checksum each)."""
+    then the others (one checksum each). ``agree`` marks the tensors every data-parallel
+    replica holds bit for bit: a batch never mixes them with others, so that the
+    checksums of theirs can be compared between replicas (``Layout.agree_*``)."""
+    agree = list(agree) or [False] * len(tensors)
     sizes = [tensor_bytes(t) for _, t in tensors]
     small = [0 < n <= memory.SMALL_TENSOR and t.device.type == "cpu"
              and t.layout == torch.strided
@@ -77,7 +87,8 @@ def plan_layout(segment: memory.Segment, tensors: list[tuple[str, torch.Tensor]]
     small_at = [o for o, is_small in zip(offsets, small, strict=True) if is_small]
     small_end = max((o + n for o, n, f in zip(offsets, sizes, small, strict=True) if f),
                     default=0)
-    groups = _groups(small_at, small_end)
+    small_agree = [a for a, f in zip(agree, small, strict=True) if f]
+    groups = _groups(small_at, small_end, small_agree)
     parts, where = _group_parts(groups, small_at,
                                 [n for n, f in zip(sizes, small, strict=True) if f])
     buf = segment.view
@@ -92,7 +103,12 @@ def plan_layout(segment: memory.Segment, tensors: list[tuple[str, torch.Tensor]]
                                  offset=memory.HEADER_SIZE + small_at[lo])
                 for lo, _, end in groups],
         parts=parts, where=where, ptrs=[-1] * len(small_at),
-        meta_room=segment.size - memory.HEADER_SIZE - offset, records_len=0)
+        meta_room=segment.size - memory.HEADER_SIZE - offset, records_len=0,
+        agree_groups=[small_agree[lo] for lo, _, _ in groups],
+        agree_large=[j for j, i in enumerate(i for i, f in enumerate(small) if not f)
+                     if agree[i]],
+        agree_key=_agree_key([(path, t) for (path, t), a in zip(tensors, agree, strict=True)
+                              if a]))
     layout.records_len = sum(len(r) + 1 if isinstance(r, str) else len(r[0]) + len(r[1]) + 19
                              for r in layout.records) + sum(
         len(block_record(start, end, 0)) + 1 for start, end in layout.group_ranges)
@@ -104,14 +120,32 @@ def block_record(start: int, end: int, digest: int) -> str:
     return f'{{"offset":{start},"nbytes":{end - start},"xxh3":"{digest:016x}"}}'
 
 
-def _groups(small_at: list[int], small_end: int) -> list[tuple[int, int, int]]:
+def _agree_key(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    """A name for the replicated tensors a rank keeps: their paths, types and shapes (0
+    when there are none)."""
+    if not tensors:
+        return 0
+    names = json.dumps([[path, str(t.dtype), list(t.shape)] for path, t in tensors])
+    return xxhash.xxh3_64_intdigest(names.encode()) or 1
+
+
+def agree_digest(layout: Layout, batches: list[int], digests: list[int]) -> int:
+    """One checksum of the replicated tensors' checksums (no byte hashed again)."""
+    items = [b for b, a in zip(batches, layout.agree_groups, strict=True) if a] + [
+        digests[j] for j in layout.agree_large]
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(items)}Q", *items))
+
+
+def _groups(small_at: list[int], small_end: int, agree: list[bool] | None = None
+            ) -> list[tuple[int, int, int]]:
     """Batches of the small tensors at ``small_at`` of about ``memory.COPY_CHUNK`` bytes,
     each hashed from the cache right after it is copied: (first, last + 1, end offset),
-    in slot order."""
+    in slot order. A batch ends where ``agree`` changes."""
     groups: list[tuple[int, int, int]] = []
     first = 0
     for i, start in enumerate(small_at):
-        if start - small_at[first] >= memory.COPY_CHUNK:
+        if start - small_at[first] >= memory.COPY_CHUNK or (
+                agree and i > first and agree[i] != agree[i - 1]):
             groups.append((first, i, start))
             first = i
     if small_at:

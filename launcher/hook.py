@@ -75,6 +75,7 @@ from launcher.copier import (
     META_FRAME,
     CopyWorker,
     Layout,
+    agree_digest,
     block_record,
     plan_layout,
     slot_bytes,
@@ -765,7 +766,8 @@ class Checkpointer:
         """Copy the state (``tree``: its skeleton's JSON) into slot ``index`` and commit it:
         the tensors this rank keeps; the others are named under ``shared``."""
         own, shared = self._split(tensors, tree)
-        layout = self._layout_for(index, own, len(tree) + len(shared))
+        layout = self._layout_for(index, own, len(tree) + len(shared) + AGREE_LEN,
+                                  self._agree_mask(own, tree))
         buf = layout.segment.view
         memory.set_state(buf, memory.SlotState.WRITING)
         assert self._worker is not None
@@ -778,9 +780,12 @@ class Checkpointer:
             layout.group_ranges, batches, strict=True))
         sharded = '"__dtensor__"' in tree
         replicated = self.replicated if self.replicated is not None else not sharded
+        agree = (f'"agree":{{"key":"{layout.agree_key:016x}","digest":'
+                 f'"{agree_digest(layout, batches, digests):016x}"}},'
+                 if layout.agree_key else "")
         meta = (f'{{"step":{step},"replicated":{"true" if replicated else "false"},'
                 f'"sharded":{"true" if sharded else "false"},'
-                f'"tensors":[{records}],"blocks":[{blocks}],'
+                f'"tensors":[{records}],"blocks":[{blocks}],{agree}'
                 + (f'"shared":{shared},' if shared else "") + '"tree":' + tree + "}").encode()
         self._seq += 1
         memory.write_commit(buf, step=step, seq=self._seq, rank=self.rank,
@@ -846,11 +851,12 @@ class Checkpointer:
         return [tensors[i] for i in mine], text
 
     def _layout_for(self, index: int, tensors: list[tuple[str, torch.Tensor]],
-                    tree_len: int) -> Layout:
+                    tree_len: int, agree: list[bool]) -> Layout:
         """Where each tensor goes in slot ``index``; reused while the state keeps its shape
         and the slot has room for the metadata (``tree_len``: its tree's part), which grows
         with values in ``extra`` like a list of losses."""
-        signature = tuple((path, t.dtype, t.shape, t.device) for path, t in tensors)
+        signature = (tuple((path, t.dtype, t.shape, t.device) for path, t in tensors),
+                     tuple(agree))
         cached = self._layouts[index]
         if cached is not None and cached.signature == signature and (
             cached.segment is self._segments[index]
@@ -860,9 +866,26 @@ class Checkpointer:
         segment = self._slot_for(index, slot_bytes(tensors, tree_len))
         if any(t.is_cuda for _, t in tensors):
             self._pin(segment)
-        layout = plan_layout(segment, tensors, signature)
+        layout = plan_layout(segment, tensors, signature, agree)
         self._layouts[index] = layout
         return layout
+
+    def _agree_mask(self, tensors: list[tuple[str, torch.Tensor]], tree: str) -> list[bool]:
+        """Which of this rank's tensors every data-parallel replica holds bit for bit:
+        the parameters and optimizer state of a DDP model (or ``replicated=True``), not
+        under ZeroRedundancyOptimizer, and not in a state of DTensors; their checksums are
+        compared between replicas (replica agreement, ``launcher.replication``)."""
+        zero = type(self.optimizer).__name__ == "ZeroRedundancyOptimizer"
+        if zero or '"__dtensor__"' in tree or not (self.replicated or (
+                self.replicated is None and _wrapped_by_ddp(self.model))):
+            return [False] * len(tensors)
+        return [path.startswith("/optimizer/state/") or (
+            path.startswith("/model/") and isinstance(t, torch.nn.Parameter))
+            for path, t in tensors]
+
+
+#: Metadata bytes of the replica-agreement record (``"agree":{"key":...,"digest":...},``).
+AGREE_LEN = 64
 
 
 def _wrapped_by_ddp(model: torch.nn.Module | None) -> bool:

@@ -651,7 +651,8 @@ DTYPE_SIZES: dict[str, int] = {
 MAX_META_DEPTH = 64
 """Nesting of the state tree (a training state is a few levels deep)."""
 MAX_DIMS = 64
-_META_KEYS = frozenset({"step", "replicated", "sharded", "tensors", "blocks", "shared", "tree"})
+_META_KEYS = frozenset({"step", "replicated", "sharded", "tensors", "blocks", "agree", "shared",
+                        "tree"})
 _ENTRY_KEYS = frozenset({"path", "dtype", "shape", "offset", "nbytes", "device", "xxh3"})
 _BLOCK_KEYS = frozenset({"offset", "nbytes", "xxh3"})
 _DTENSOR_KEYS = frozenset({"__dtensor__", "mesh", "placements", "shape", "stride"})
@@ -702,6 +703,12 @@ def _check_meta(meta: Any, header: SlotHeader) -> None:
             raise _Bad("a block is not {offset, nbytes, xxh3}")
         _range(block, header.data_len, "a block")
         _hex(block["xxh3"], "a block's xxh3")
+    if "agree" in meta:
+        agree = meta["agree"]
+        if type(agree) is not dict or set(agree) != {"key", "digest"}:
+            raise _Bad("agree is not {key, digest}")
+        _hex(agree["key"], "agree's key")
+        _hex(agree["digest"], "agree's digest")
     shared = _list(meta.get("shared") or [], "shared")
     _check_shared(shared, len(tensors) + len(shared), header.world_size)
     _check_tree(meta["tree"], len(tensors) + len(shared))

@@ -36,8 +36,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 MARGIN_SECONDS = 0.25
@@ -67,6 +68,13 @@ class Plan:
     """The same in seconds (``lag_steps`` iterations)."""
     seconds: float = 0.0
     """How long the last replication took (the slowest host), in seconds."""
+    checked: int = 0
+    """Targets of this round whose replicas were compared (see :func:`disagreement`)."""
+    diverged: dict[str, Any] | None = None
+    """The disagreement of this round since s* last moved: ``step`` (the first target
+    whose replicas differed), ``agreed`` (s*, the newest step they agreed on), ``ranks``,
+    ``nodes``, ``hosts`` and ``odd`` (the ranks a majority outvotes; empty with two
+    replicas). It stays while they go on differing."""
 
     def dumps(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -90,6 +98,11 @@ class Done:
     """The newest step its workers had committed."""
     seconds: float
     """From the plan to the last holder's acknowledgement."""
+    host: str = ""
+    """The host that answers."""
+    agree: dict[str, list[str]] = field(default_factory=dict)
+    """Per rank, the ``[key, digest]`` of its replicated state at ``step`` (the slot
+    metadata's ``agree``): ranks with the same key must have the same digest."""
 
     def dumps(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -163,8 +176,17 @@ def advance(plan: Plan, dones: Mapping[int, Done], *, nodes: int, newest: int,
     newest = max([newest, *(d.newest for d in answers)])
     seconds = max(d.seconds for d in answers)
     steps = {d.step for d in answers}
-    if len(steps) == 1 and min(steps) >= 0:
+    checked, diverged = plan.checked, plan.diverged
+    current = {n: d for n, d in dones.items() if d in answers}
+    differ = disagreement(current, current) if len(steps) == 1 and min(steps) >= 0 else None
+    if differ is not None:  # s* stays on the newest step the replicas agreed on
+        sstar, every, margin = plan.sstar, plan.every, plan.margin
+        if diverged is None or diverged.get("agreed") != plan.sstar:  # a new divergence
+            diverged = {"step": min(steps), "agreed": plan.sstar, **differ}
+        newest = max(newest, *steps)
+    elif len(steps) == 1 and min(steps) >= 0:
         sstar = steps.pop()
+        checked += any(len(d.agree) for d in answers) and len(answers) > 1
         every = every_for(seconds, interval, fixed_every)
         # At least k steps between a step's s* and the next target: a replication keeps
         # both of a worker's slots (skipping its saves) for at most half of them.
@@ -178,4 +200,35 @@ def advance(plan: Plan, dones: Mapping[int, Done], *, nodes: int, newest: int,
     return Plan(round=plan.round, sstar=sstar, target=target_after(max(newest, sstar),
                                                                    fixed_every or 1, margin),
                 every=every, margin=margin, lag_steps=lag,
-                lag_seconds=round(lag * (interval or 0.0), 3), seconds=round(seconds, 3))
+                lag_seconds=round(lag * (interval or 0.0), 3), seconds=round(seconds, 3),
+                checked=checked, diverged=diverged)
+
+
+def disagreement(dones: Mapping[int, Done], nodes: Iterable[int]) -> dict[str, Any] | None:
+    """Whether the replicas of one step disagree: the ranks whose replicated state has
+    the same key (the same share of the same tensors) must have the same digest, on
+    whichever node they are. None when they agree (or nothing can be compared); else the
+    ranks, nodes and hosts of each key that differs, and ``odd``: the ranks outvoted by a
+    strict majority of the same key (none with two replicas: either may be wrong)."""
+    by_key: dict[str, dict[int, tuple[int, str]]] = {}
+    for node in nodes:
+        done = dones.get(node)
+        for rank, record in (done.agree if done is not None else {}).items():
+            if rank.isdigit() and isinstance(record, list) and len(record) == 2:
+                by_key.setdefault(str(record[0]), {})[int(rank)] = (node, str(record[1]))
+    ranks: set[int] = set()
+    odd: set[int] = set()
+    for members in by_key.values():
+        votes = Counter(digest for _, digest in members.values())
+        if len(votes) < 2:
+            continue
+        ranks |= set(members)
+        top, count = votes.most_common(1)[0]
+        if 2 * count > len(members):
+            odd |= {rank for rank, (_, digest) in members.items() if digest != top}
+    if not ranks:
+        return None
+    where = {rank: node for members in by_key.values() for rank, (node, _) in members.items()}
+    nodes_of = sorted({where[rank] for rank in ranks})
+    return {"ranks": sorted(ranks), "odd": sorted(odd), "nodes": nodes_of,
+            "hosts": sorted({dones[n].host for n in nodes_of if dones[n].host})}

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from launcher import memory
 from launcher.coordination import secret_key
-from launcher.errors import ConfigError, ReplicationError, StoreError
+from launcher.errors import CheckpointError, ConfigError, ReplicationError, StoreError
 from launcher.events import EventLog
 from launcher.files import read_user_file
 from launcher.priority import IdleGate, lower_priority
@@ -58,6 +58,8 @@ class SlotKeeper(transport.SlotSource, Protocol):
     """Copies of each rank's state the host keeps (its own and its peers' replicas)."""
     local_world_size: int
     """The host's local ranks."""
+    host_id: str
+    """This host's id."""
 
     def segments(self, *, replica: bool = False) -> dict[int, list[memory.Segment]]:
         """The host's own slots by rank (or, with ``replica``, its peers' it keeps)."""
@@ -302,6 +304,7 @@ class ReplicationService:
         # pushes go out from it)
         self._sources: dict[int, tuple[memory.SlotHeader, memory.Segment]] = {}
         self._restored = -1  # the step this round started from: kept until s* passes it
+        self._diverged: tuple[str, Any] | None = None  # the disagreement last reported
         self._gate = IdleGate() if pace and IdleGate.available() else None
         self.pushes = 0  # completed pushes (a step of a rank to one holder)
         self.sent = 0  # data bytes pushed
@@ -427,6 +430,8 @@ class ReplicationService:
         if self._node == 0:
             self._lead(round_id, newest)
         plan = self._read_plan(round_id)
+        if plan is not None and plan.diverged is not None:
+            self._report_divergence(plan)
         if plan is None or self._answered == (round_id, plan.target):
             return False
         for rank in own:
@@ -490,11 +495,49 @@ class ReplicationService:
         if not (missed or complete):
             return
         began = self._began if self._began is not None else time.monotonic()
+        agree = {} if missed else {str(rank): record for rank in caught
+                                   if (record := self._agreement(rank)) is not None}
         done = progress.Done(round=plan.round, target=plan.target,
                              step=-1 if missed else steps.pop(), newest=newest,
-                             seconds=round(time.monotonic() - began, 4))
+                             seconds=round(time.monotonic() - began, 4),
+                             host=self.owner.host_id, agree=agree)
         if self._store_call(self.store.put, self._keys + f"done/{self._node}", done.dumps()):
             self._answered = (plan.round, plan.target)
+
+    def _agreement(self, rank: int) -> list[str] | None:
+        """The ``[key, digest]`` of the replicated state in the slot ``rank`` pushed for
+        the target (its metadata's ``agree``; the worker computed it from the checksums
+        of its copy), or None: none, or the slot was rewritten meanwhile."""
+        source = self._sources.get(rank)
+        if source is None:
+            return None
+        header, segment = source
+        try:
+            agree = memory.read_meta(segment.view, header).get("agree")
+        except (CheckpointError, ValueError):
+            return None
+        if not isinstance(agree, dict) or not memory.unchanged(segment.view, header):
+            return None
+        return [agree["key"], agree["digest"]]
+
+    def _report_divergence(self, plan: progress.Plan) -> None:
+        """Say once, per round and step, that the replicas of a step disagree (silent
+        data corruption on some rank: its parameters or optimizer state differ from the
+        other replicas'); s* stays on the newest step they agreed on."""
+        diverged = plan.diverged or {}
+        seen = (plan.round, diverged.get("step"))
+        if seen == self._diverged:
+            return
+        self._diverged = seen
+        odd = diverged.get("odd") or []
+        logger.warning(
+            "gemini: the replicas of step %s disagree: rank(s) %s on host(s) %s hold "
+            "different parameters or optimizer state%s; the newest step they agreed on, "
+            "%s, stays restorable", diverged.get("step"),
+            ", ".join(map(str, diverged.get("ranks", []))), ", ".join(diverged.get("hosts", [])),
+            f" (the majority outvotes rank(s) {', '.join(map(str, odd))})" if odd else "",
+            diverged.get("agreed"))
+        self.events.write("replicas_diverged", **diverged)
 
     @staticmethod
     def _lost_target(segments: list[memory.Segment], target: int) -> bool:

@@ -223,3 +223,47 @@ def test_sigterm_on_two_hosts_persists_one_step_of_every_rank(tmp_path: Path) ->
             for host in hosts:
                 kill_group(host.proc)
     assert_bitwise(torch.load(tmp_path / "out.pt"), torch.load(reference / "ref.pt"))
+
+
+@pytest.mark.etcd
+def test_a_flipped_parameter_is_caught_by_the_replicas_and_never_becomes_restorable(
+        tmp_path: Path) -> None:
+    """Silent data corruption: rank 1 (host h1) flips one bit of a parameter in step 12
+    (after its optimizer step, before its save) and trains on, raising no error. The
+    digests the two replicas' saves carry for the same replication target differ: both
+    hosts report it once (event replicas_diverged
+    naming ranks 0 and 1 and both hosts, a warning line), s* never moves past the last
+    step they agreed on, and `gemini status` lists the event. Before the flip, targets
+    were compared and agreed."""
+    import time
+
+    from etcd_server import EtcdServer
+    from hosts import Host, wait_exit
+
+    hosts: list[Host] = []
+    with EtcdServer() as etcd:
+        argv = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                "--rdzv-id", "sdc", "--rdzv-conf", "last_call_timeout=1", "--store", etcd.url,
+                "--replication-addr", "127.0.0.1", "--no-standby", "--replicate-every", "2",
+                TRAIN, "--steps", "40", "--sleep", "0.1", "--flip-param", "1:12"]
+        try:
+            hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
+            wait_exit(hosts, hosts, time.monotonic() + 240)
+            for host in hosts:
+                assert host.proc.returncode == 0, host.output()[-3000:]
+                assert host.output().count("the replicas of step") == 1, host.output()[-3000:]
+            shown = run([*GEMINI, "status", "--json", "--store", etcd.url, "--run-id", "sdc"],
+                        env=env_with(tmp_path))
+            assert "replicas_diverged" in shown.stdout, shown.output[-2000:]
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    found = events(tmp_path / "runs")
+    diverged = [e for e in found if e["event"] == "replicas_diverged"]
+    assert {e["host"] for e in diverged} == {"h0", "h1"}, diverged
+    for e in diverged:
+        assert e["ranks"] == [0, 1] and e["hosts"] == ["h0", "h1"] and e["odd"] == [], e
+        assert 12 <= e["step"] <= 12 + 8 and 0 <= e["agreed"] < 12, e
+    progress = [e for e in found if e["event"] == "replication_progress"]
+    assert progress and max(e["sstar"] for e in progress) < 12, progress

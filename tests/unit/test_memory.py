@@ -989,3 +989,38 @@ def test_reserved_segments_become_slots_without_allocating_again() -> None:
     finally:
         owner.close()
     assert memory.list_segments(owner.prefix) == []
+
+
+def test_replicas_compare_their_replicated_state_by_one_digest(supervisor: SlotServer) -> None:
+    """With replicated state, the slot's metadata carries one digest of the checksums of
+    the parameters and optimizer state alone (batches never mix them with the per-rank
+    RNG state): equal whatever the RNG, different once a parameter bit flips."""
+    model, opt = _model()
+    ckpt = hook.Checkpointer(model=model, optimizer=opt, replicated=True)
+    ckpt.restore()
+    _train(model, opt)
+
+    def saved(step: int, seed: int) -> dict[str, Any]:
+        torch.manual_seed(seed)  # another replica's RNG state
+        ckpt.save(step)
+        ckpt.wait()
+        segment = next(s for s in supervisor.owner.segments()[0]
+                       if (h := memory.read_header(s.view)) is not None and h.step == step)
+        return memory.read_meta(segment.view, memory.read_header(segment.view))
+
+    first, second = saved(1, 1), saved(2, 2)
+    assert first["blocks"][0]["xxh3"] != second["blocks"][0]["xxh3"]  # the RNG differs
+    assert first["agree"] == second["agree"]
+    with torch.no_grad():
+        next(model.parameters()).view(-1)[0:1].view(torch.int32)[0] ^= 1 << 12
+    third = saved(3, 2)
+    assert third["agree"]["key"] == first["agree"]["key"]
+    assert third["agree"]["digest"] != first["agree"]["digest"]
+    ckpt.close()
+    plain = hook.Checkpointer(model=model, optimizer=opt, replicated=False)
+    plain.save(4)
+    plain.wait()
+    segment = next(s for s in supervisor.owner.segments()[0]
+                   if (h := memory.read_header(s.view)) is not None and h.step == 4)
+    assert "agree" not in memory.read_meta(segment.view, memory.read_header(segment.view))
+    plain.close()

@@ -83,3 +83,43 @@ def test_records_survive_the_store_and_garbage_is_none() -> None:
     assert Done.loads(done(6, 6).dumps()) == done(6, 6)
     for data in (None, b"", b"not json", b"[1, 2]", b'{"round": "r1"}'):
         assert Plan.loads(data) is None and Done.loads(data) is None
+
+
+def _voting(target: int, step: int, host: str, agree: dict[str, list[str]]) -> Done:
+    return Done(round="r", target=target, step=step, newest=step, seconds=0.1, host=host,
+                agree=agree)
+
+
+def test_replicas_that_disagree_keep_sstar_and_say_who_differs() -> None:
+    """Ranks with the same key (the same share of the replicated state) on different
+    nodes must have the same digest: then s* moves and the check is counted; otherwise s*
+    stays on the last step they agreed on and the plan says which ranks and hosts differ."""
+    plan = Plan(round="r", sstar=10, target=12, every=1, margin=1)
+    same = {0: _voting(12, 12, "h0", {"0": ["a", "1"], "1": ["b", "2"]}),
+            1: _voting(12, 12, "h1", {"2": ["a", "1"], "3": ["b", "2"]})}
+    agreed = progress.advance(plan, same, nodes=2, newest=12, interval=0.1, fixed_every=0)
+    assert agreed is not None and agreed.sstar == 12 and agreed.checked == 1
+    assert agreed.diverged is None
+    flipped = {0: same[0], 1: _voting(12, 12, "h1", {"2": ["a", "1"], "3": ["b", "X"]})}
+    kept = progress.advance(plan, flipped, nodes=2, newest=12, interval=0.1, fixed_every=0)
+    assert kept is not None and kept.sstar == 10 and kept.target > 12
+    assert kept.diverged == {"step": 12, "agreed": 10, "ranks": [1, 3], "odd": [],
+                             "nodes": [0, 1], "hosts": ["h0", "h1"]}
+    assert Plan.loads(kept.dumps()) == kept  # it travels through the store
+    later = {n: Done(**{**vars(d), "target": kept.target, "step": kept.target})
+             for n, d in flipped.items()}
+    still = progress.advance(kept, later, nodes=2, newest=kept.target, interval=0.1,
+                             fixed_every=0)
+    assert still is not None and still.sstar == 10 and still.diverged == kept.diverged
+
+
+def test_a_majority_of_replicas_names_the_odd_one() -> None:
+    dones = {n: _voting(5, 5, f"h{n}", {str(n): ["k", "X" if n == 2 else "d"]})
+             for n in range(3)}
+    assert progress.disagreement(dones, dones)["odd"] == [2]  # type: ignore[index]
+    # nothing to compare: a key seen once, no records, an old host's report
+    lone = {0: _voting(5, 5, "h0", {"0": ["k", "d"]}), 1: _voting(5, 5, "h1", {"1": ["j", "e"]}),
+            2: Done(round="r", target=5, step=5, newest=5, seconds=0.1)}
+    assert progress.disagreement(lone, lone) is None
+    assert Done.loads(b'{"round": "r", "target": 5, "step": 5, "newest": 5, "seconds": 0.1}'
+                      ) == lone[2]
