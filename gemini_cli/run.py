@@ -72,6 +72,10 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--exit-grace", "--exit_grace"), "exit_grace",
      "Seconds a stop by signal may spend persisting; keep it below the scheduler's grace "
      "period.  [default: 20]"),
+    (("--on-divergence", "--on_divergence"), "on_divergence",
+     "When the data-parallel replicas' state disagrees (silent data corruption): rollback "
+     "every rank to the newest step they agreed on, stop (exit 5), or warn.  "
+     "[default: rollback]"),
     (("--max-same-failures", "--max_same_failures"), "max_same_failures",
      "Restarts failing the same way with no new step in between before the job stops for "
      "good with exit code 7 (do not requeue); 0: never.  [default: 3]"),

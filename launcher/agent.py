@@ -557,7 +557,11 @@ def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, eve
                                 sources=owner.segments, every_steps=every_steps,
                                 every_seconds=every_seconds, keep=config.persist_keep)
         persist.start()
-    return MemoryService(owner, events, replication=replication, persist=persist)
+    service = MemoryService(owner, events, replication=replication, persist=persist)
+    service.on_divergence, service.max_rollbacks = config.on_divergence, config.max_same_failures
+    if replication is not None:
+        replication.on_diverged = service.diverged
+    return service
 
 
 def _worker_spec(launch_config: Any, entrypoint: Any, entry_args: tuple[Any, ...]) -> Any:

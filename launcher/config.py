@@ -30,6 +30,7 @@ from launcher.store import EtcdCredentials
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
 NumaBinding = Literal["node", "socket", "exclusive", "core-complex"]
+OnDivergence = Literal["rollback", "stop", "warn"]
 
 _NNODES = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 _NPROC_NAMES = ("auto", "cpu", "gpu", "xpu")
@@ -176,6 +177,12 @@ class RunConfig:
     exit_grace: float = dataclasses.field(default=20.0, metadata={"gemini": True})
     """Seconds a stop by signal may spend persisting before the supervisor exits (keep it
     below the scheduler's grace period, e.g. SLURM's ``--signal`` lead time)."""
+    on_divergence: OnDivergence = dataclasses.field(default="rollback",
+                                                    metadata={"gemini": True})
+    """What the data-parallel replicas' disagreeing state (silent data corruption) does:
+    ``rollback`` every rank to the newest step they agreed on (at most
+    ``max_same_failures`` times to one step, then stop), ``stop`` the job (exit 5), or
+    ``warn`` only."""
     max_same_failures: int = dataclasses.field(default=3, metadata={"gemini": True})
     """Restarts that fail the same way without a new step in between before the job stops
     for good with exit code 7 (do not requeue); 0 turns the guard off."""
@@ -235,7 +242,7 @@ class RunConfig:
         _ = self.store_credentials  # raises if its fields do not go together
         if self.module and self.no_python:
             raise ConfigError("--module and --no-python cannot be used together")
-        for name in ("start_method", "numa_binding"):
+        for name in ("start_method", "numa_binding", "on_divergence"):
             _check_literal(name, getattr(self, name))
 
     @property

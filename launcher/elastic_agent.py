@@ -177,6 +177,9 @@ class Restores(Protocol):
 
     restored: int
     avoid: frozenset[int]
+    rollback_to: int | None
+    """A rollback to carry out: the step the replicas last agreed on (see
+    ``MemoryService.diverged``)."""
 
     def committed(self) -> int: ...
 
@@ -290,6 +293,12 @@ class GeminiAgent(LocalElasticAgent):
         it left the round to re-join), and when the job went on without this host (it
         froze for longer than the rendezvous allows); it then stops its stale workers,
         forgets its memory, and waits as a spare."""
+        if self._restores is not None and self._restores.rollback_to is not None:
+            step, self._restores.rollback_to = self._restores.rollback_to, None
+            print(f"gemini: rolling back to step {step}, the newest step the replicas agreed "
+                  "on: every host restarts its workers from it", file=sys.stderr, flush=True)
+            self._events.write("rollback", round=self._round, step=step)
+            return 1
         waiting = int(self._waiting())
         current = _rendezvous_round(self._worker_group.spec.rdzv_handler)
         world = self._worker_group.group_world_size or 0

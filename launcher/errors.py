@@ -53,6 +53,11 @@ class CheckpointError(GeminiError):
     """A checkpoint is missing, corrupt, or does not match the model."""
 
 
+class ReplicasDivergedError(CheckpointError):
+    """The data-parallel replicas' state disagrees (silent data corruption) and the run
+    stops rather than train on (``--on-divergence stop``, or rollbacks that did not help)."""
+
+
 class HostUnhealthyError(GeminiError):
     """This host cannot train any more (a GPU fell off the bus): its supervisor stops its
     workers and leaves the job, as a lost host would."""

@@ -199,15 +199,21 @@ def choose_plan(reports: Mapping[int, Mapping[str, Any]], world_size: int,
 
 
 def without_avoided(reports: Mapping[int, Mapping[str, Any]]) -> dict[int, dict[str, Any]]:
-    """``reports`` without any step that one of them lists under ``"avoid"``: a host's
-    workers failed right after restoring it, and no host of the round restores it again
-    (every host computes the plan from the same reports, so all of them skip it)."""
+    """``reports`` without any step that one of them lists under ``"avoid"`` (a host's
+    workers failed right after restoring it, and no host of the round restores it again)
+    or that is newer than a ``"ceiling"`` one of them sets (the replicas disagreed after
+    it: the round rolls back to it). Every host computes the plan from the same reports,
+    so all of them skip the same steps."""
     avoid = {int(step) for report in reports.values() for step in report.get("avoid") or ()}
+    ceilings = [int(c) for report in reports.values()
+                if isinstance(c := report.get("ceiling"), int) and c >= -1]
+    ceiling = min(ceilings, default=None)
 
     def kept(steps: Any) -> list[int]:
-        return [step for step in steps if int(step) not in avoid]
+        return [step for step in steps if int(step) not in avoid
+                and (ceiling is None or int(step) <= ceiling)]
 
-    if not avoid:
+    if not avoid and ceiling is None:
         return {node: dict(report) for node, report in reports.items()}
     filtered: dict[int, dict[str, Any]] = {}
     for node, report in reports.items():

@@ -25,7 +25,12 @@ from launcher.contract import (
     ENV_RESTORE_VERIFIED,
     ENV_SOCKET,
 )
-from launcher.errors import CheckpointError, GeminiError, ReplicationError
+from launcher.errors import (
+    CheckpointError,
+    GeminiError,
+    ReplicasDivergedError,
+    ReplicationError,
+)
 from launcher.events import EventLog
 from launcher.recovery import (
     RestorePlan,
@@ -82,6 +87,17 @@ class MemoryService:
         """Steps no round restores (see ``rounds.guard_failure``), in this host's reports."""
         self.restored = -1
         """The step the last round restored (-1: none, a fresh start)."""
+        self.ceiling: int | None = None
+        """No round restores a step newer than this (a rollback after the replicas
+        disagreed), in this host's reports; cleared once a round restored."""
+        self.on_divergence = "warn"
+        """What the replicas' disagreement does: ``rollback``, ``stop`` or ``warn``."""
+        self.max_rollbacks = 3
+        """Rollbacks to the same agreed step before the job stops (0: no limit)."""
+        self.rollback_to: int | None = None
+        """A rollback the agent has yet to carry out (the step the replicas agreed on)."""
+        self.fatal: GeminiError | None = None
+        self._rollbacks: dict[int, int] = {}  # agreed step -> rollbacks to it
         os.environ[ENV_SOCKET] = self.server.env_address
         os.environ[ENV_PREFIX] = self.owner.prefix
 
@@ -171,6 +187,7 @@ class MemoryService:
         scanned = time.monotonic()
         restore = -1 if plan.step is None else plan.step
         self.restored = restore
+        self.ceiling = None  # the rollback, if one was asked for, is this restore
         # A take-over still pulling the restore step of one of this host's ranks goes on
         # while the workers start (see _bring_in_the_rest); any other pull ends now.
         self._take_step = restore
@@ -224,6 +241,7 @@ class MemoryService:
             "address": list(self.replication.address) if self.replication is not None else None,
             "ranks": ranks,
             "avoid": sorted(self.avoid),
+            "ceiling": self.ceiling,
             "resizable": resizable["replicated"],
             "reshardable": resizable["sharded"],
         }
@@ -349,6 +367,27 @@ class MemoryService:
     def check(self) -> None:
         if self.server.fatal is not None:
             raise self.server.fatal
+        if self.fatal is not None:
+            raise self.fatal
+
+    def diverged(self, record: dict[str, Any]) -> None:
+        """The replicas of a step disagree (``ReplicationService``, its thread): with
+        ``rollback``, every host's workers go back to the newest step they agreed on (the
+        agent restarts them, :attr:`rollback_to`; no restart of ``--max-restarts`` is
+        spent), at most :attr:`max_rollbacks` times to the same step; with ``stop``, or
+        past that, the job stops with exit code 5; with ``warn``, nothing more."""
+        agreed = int(record.get("agreed", -1))
+        why = (f"the replicas of step {record.get('step')} disagree (rank(s) "
+               f"{', '.join(map(str, record.get('ranks', [])))})")
+        if self.on_divergence == "stop":
+            self.fatal = ReplicasDivergedError(f"{why}; stopping (--on-divergence stop)")
+        elif self.on_divergence == "rollback":
+            count = self._rollbacks[agreed] = self._rollbacks.get(agreed, 0) + 1
+            if self.max_rollbacks and count > self.max_rollbacks:
+                self.fatal = ReplicasDivergedError(
+                    f"{why} again after {count - 1} rollback(s) to step {agreed}; stopping")
+            else:
+                self.ceiling = self.rollback_to = agreed
 
     def close(self) -> None:
         if self.persist is not None:

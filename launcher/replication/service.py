@@ -35,7 +35,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, Protocol
 
 from launcher import memory
@@ -305,6 +305,8 @@ class ReplicationService:
         self._sources: dict[int, tuple[memory.SlotHeader, memory.Segment]] = {}
         self._restored = -1  # the step this round started from: kept until s* passes it
         self._diverged: tuple[str, Any] | None = None  # the disagreement last reported
+        self.on_diverged: Callable[[dict[str, Any]], None] | None = None
+        """Called (in the sender's thread) with each new disagreement of the replicas."""
         self._gate = IdleGate() if pace and IdleGate.available() else None
         self.pushes = 0  # completed pushes (a step of a rank to one holder)
         self.sent = 0  # data bytes pushed
@@ -538,6 +540,8 @@ class ReplicationService:
             f" (the majority outvotes rank(s) {', '.join(map(str, odd))})" if odd else "",
             diverged.get("agreed"))
         self.events.write("replicas_diverged", **diverged)
+        if self.on_diverged is not None:
+            self.on_diverged(dict(diverged))
 
     @staticmethod
     def _lost_target(segments: list[memory.Segment], target: int) -> bool:

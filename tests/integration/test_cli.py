@@ -27,6 +27,7 @@ from helpers import GEMINI, SCRIPTS, env_with, run
     (["run", "--store-password", "hunter2", "x.py"], 2, "unrecognized arguments: --store-password"),
     (["run", "--store-password=hunter2", "x.py"], 2, "unrecognized arguments: --store-password=..."),
     (["run", "--max-same", "1", "x.py"], 2, "unrecognized arguments: --max-same"),
+    (["run", "--on-divergence", "ignore", "x.py"], 2, "on_divergence='ignore': expected one of"),
     (["run", "--max-restarts", "9" * 5000, "x.py"], 2, "is not a valid int"),
     (["run", "--rdzv-id", "\x1b]52;c;aGk=\x07\u202e", "x.py"], 2, "run id '\\x1b]52;c;aGk=\\x07"),
     (["status", "--run-id", "a/../b"], 2, "run id 'a/../b'"),

@@ -225,16 +225,10 @@ def test_sigterm_on_two_hosts_persists_one_step_of_every_rank(tmp_path: Path) ->
     assert_bitwise(torch.load(tmp_path / "out.pt"), torch.load(reference / "ref.pt"))
 
 
-@pytest.mark.etcd
-def test_a_flipped_parameter_is_caught_by_the_replicas_and_never_becomes_restorable(
-        tmp_path: Path) -> None:
-    """Silent data corruption: rank 1 (host h1) flips one bit of a parameter in step 12
-    (after its optimizer step, before its save) and trains on, raising no error. The
-    digests the two replicas' saves carry for the same replication target differ: both
-    hosts report it once (event replicas_diverged
-    naming ranks 0 and 1 and both hosts, a warning line), s* never moves past the last
-    step they agreed on, and `gemini status` lists the event. Before the flip, targets
-    were compared and agreed."""
+def _flip_run(tmp_path: Path, *flags: str) -> list[dict]:
+    """Two etcd hosts of one worker train 40 steps; rank 1 (host h1) flips one bit of a
+    parameter in step 12 (after its optimizer step, before its save) and trains on,
+    raising no error. Both hosts must end with exit code 0; their events are returned."""
     import time
 
     from etcd_server import EtcdServer
@@ -246,7 +240,8 @@ def test_a_flipped_parameter_is_caught_by_the_replicas_and_never_becomes_restora
                 "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
                 "--rdzv-id", "sdc", "--rdzv-conf", "last_call_timeout=1", "--store", etcd.url,
                 "--replication-addr", "127.0.0.1", "--no-standby", "--replicate-every", "2",
-                TRAIN, "--steps", "40", "--sleep", "0.1", "--flip-param", "1:12"]
+                *flags, TRAIN, "--steps", "40", "--sleep", "0.1", "--flip-param", "1:12",
+                "--out", str(tmp_path / "out.pt")]
         try:
             hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
             wait_exit(hosts, hosts, time.monotonic() + 240)
@@ -265,5 +260,36 @@ def test_a_flipped_parameter_is_caught_by_the_replicas_and_never_becomes_restora
     for e in diverged:
         assert e["ranks"] == [0, 1] and e["hosts"] == ["h0", "h1"] and e["odd"] == [], e
         assert 12 <= e["step"] <= 12 + 8 and 0 <= e["agreed"] < 12, e
+    return found
+
+
+@pytest.mark.etcd
+def test_a_flipped_parameter_is_rolled_back_to_the_step_the_replicas_agreed_on(
+        tmp_path: Path) -> None:
+    """Silent data corruption on one replica, caught by the digests its saves carry: both
+    hosts report it once, go back together to the newest step the replicas agreed on (no
+    restart of --max-restarts spent) and end bitwise equal to a run without the flip."""
+    from hosts import assert_bitwise
+
+    reference = tmp_path / "reference"
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--no-standby", TRAIN, "--steps", "40",
+                "--out", str(reference / "ref.pt")], env=env_with(reference), timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    found = _flip_run(tmp_path)
+    agreed = {e["agreed"] for e in found if e["event"] == "replicas_diverged"}
+    rollbacks = [e for e in found if e["event"] == "rollback"]
+    assert {e["host"] for e in rollbacks} == {"h0", "h1"} and {e["step"] for e in rollbacks} == agreed
+    plans = [e["step"] for e in found if e["event"] == "restore_plan"]
+    assert plans.count(agreed.pop()) == 2, plans  # both hosts restored the agreed step
+    assert_bitwise(torch.load(tmp_path / "out.pt"), torch.load(reference / "ref.pt"))
+
+
+@pytest.mark.etcd
+def test_with_warn_a_flipped_parameter_is_reported_and_never_becomes_restorable(
+        tmp_path: Path) -> None:
+    """--on-divergence warn: both hosts report the disagreement once and train on; s*
+    never moves past the newest step the replicas agreed on (a host loss restores it)."""
+    found = _flip_run(tmp_path, "--on-divergence", "warn")
+    assert not [e for e in found if e["event"] == "rollback"]
     progress = [e for e in found if e["event"] == "replication_progress"]
     assert progress and max(e["sstar"] for e in progress) < 12, progress

@@ -48,8 +48,9 @@ p.add_argument("--grow-at", default="", metavar="STEP:MB",
                help="from step STEP on, extra holds MB MiB more of private bytes: the state "
                "outgrows its slots (with a full /dev/shm, the new ones cannot be made)")
 p.add_argument("--flip-param", default="", metavar="RANK:STEP",
-               help="silent data corruption: right after the optimizer step of STEP (first "
-               "attempt only), rank RANK flips one mantissa bit of its first parameter")
+               help="silent data corruption: right after the optimizer step of STEP (in a "
+               "run started from step 0 only), rank RANK flips one mantissa bit of its "
+               "first parameter")
 p.add_argument("--report-slots", action="store_true",
                help="rank 0 prints the bytes of the last step in the host's own slots "
                "(every rank's) and the bytes of one model and optimizer state")
@@ -127,7 +128,7 @@ for step in range(start, args.steps):
             dist.all_reduce(param.grad)
             param.grad /= dist.get_world_size()
     opt.step()
-    if args.flip_param and attempt == 0 and (rank, step) == tuple(
+    if args.flip_param and start == 0 and (rank, step) == tuple(
             map(int, args.flip_param.split(":"))):
         with torch.no_grad():
             next(net.parameters()).view(-1)[:1].view(torch.int32)[0] ^= 1 << 12

@@ -147,3 +147,46 @@ def test_a_step_one_host_avoids_is_restored_by_none() -> None:
         assert plan.step == 5 and plan.world_size is None
     reports[0]["local"] = {"0": [6]}  # node 0 has nothing older in memory: the files
     assert choose_plan(reports, 2, node=0).step == 4
+
+
+def test_a_ceiling_rolls_every_host_back() -> None:
+    """After the replicas disagreed, one host's report sets a ceiling (the newest step
+    they agreed on): no host's plan restores a newer step; -1 means a fresh start."""
+    from launcher.recovery import choose_plan
+
+    reports: dict[int, dict[str, object]] = {
+        node: {"ranks": [node], "local": {str(node): [10, 12]},
+               "replicas": {str(1 - node): [10, 12]}, "persist": {}, "resizable": {},
+               "reshardable": {}}
+        for node in (0, 1)}
+    assert choose_plan(reports, 2, node=0).step == 12
+    reports[0]["ceiling"] = 10
+    assert [choose_plan(reports, 2, node=n).step for n in (0, 1)] == [10, 10]
+    reports[1]["ceiling"] = -1
+    assert choose_plan(reports, 2, node=1).step is None
+    reports[0]["ceiling"] = reports[1]["ceiling"] = None
+    assert choose_plan(reports, 2, node=1).step == 12
+
+
+def test_the_divergence_policy() -> None:
+    """rollback asks the agent for one (a ceiling for the plans), at most max_rollbacks
+    times to the same step, then stops; stop stops at once (exit 5); warn does nothing."""
+    from launcher.errors import ReplicasDivergedError
+    from launcher.tiers import MemoryService
+
+    service = MemoryService.__new__(MemoryService)  # the policy alone: no slots, no server
+    service.ceiling, service.rollback_to, service.fatal, service._rollbacks = None, None, None, {}
+    service.on_divergence, service.max_rollbacks = "rollback", 2
+    record = {"step": 14, "agreed": 10, "ranks": [0, 1]}
+    for _ in range(2):
+        service.diverged(record)
+        assert service.rollback_to == service.ceiling == 10 and service.fatal is None
+        service.rollback_to = service.ceiling = None
+    service.diverged(record)
+    assert isinstance(service.fatal, ReplicasDivergedError) and service.rollback_to is None
+    service.fatal, service.on_divergence = None, "stop"
+    service.diverged(record)
+    assert isinstance(service.fatal, ReplicasDivergedError) and "stop" in str(service.fatal)
+    service.fatal, service.on_divergence = None, "warn"
+    service.diverged(record)
+    assert service.fatal is None and service.rollback_to is None
