@@ -225,10 +225,12 @@ def test_sigterm_on_two_hosts_persists_one_step_of_every_rank(tmp_path: Path) ->
     assert_bitwise(torch.load(tmp_path / "out.pt"), torch.load(reference / "ref.pt"))
 
 
-def _flip_run(tmp_path: Path, *flags: str) -> list[dict]:
-    """Two etcd hosts of one worker train 40 steps; rank 1 (host h1) flips one bit of a
-    parameter in step 12 (after its optimizer step, before its save) and trains on,
-    raising no error. Both hosts must end with exit code 0; their events are returned."""
+def _flip_run(tmp_path: Path, *flags: str, nproc: int = 1, train: tuple[str, ...] = ()
+              ) -> list[dict]:
+    """Two etcd hosts of ``nproc`` workers train 40 steps; rank 1 (host h0 with two
+    workers, else h1) flips one bit of a parameter it saves in step 12 (after its
+    optimizer step, before its save) and trains on, raising no error. Both hosts must end
+    with exit code 0; their events are returned."""
     import time
 
     from etcd_server import EtcdServer
@@ -236,12 +238,12 @@ def _flip_run(tmp_path: Path, *flags: str) -> list[dict]:
 
     hosts: list[Host] = []
     with EtcdServer() as etcd:
-        argv = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", "1",
+        argv = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", str(nproc),
                 "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
                 "--rdzv-id", "sdc", "--rdzv-conf", "last_call_timeout=1", "--store", etcd.url,
                 "--replication-addr", "127.0.0.1", "--no-standby", "--replicate-every", "2",
-                *flags, TRAIN, "--steps", "40", "--sleep", "0.1", "--flip-param", "1:12",
-                "--out", str(tmp_path / "out.pt")]
+                *flags, TRAIN, *train, "--steps", "40", "--sleep", "0.1",
+                "--flip-param", "1:12", "--out", str(tmp_path / "out.pt")]
         try:
             hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
             wait_exit(hosts, hosts, time.monotonic() + 240)
@@ -257,25 +259,33 @@ def _flip_run(tmp_path: Path, *flags: str) -> list[dict]:
     found = events(tmp_path / "runs")
     diverged = [e for e in found if e["event"] == "replicas_diverged"]
     assert {e["host"] for e in diverged} == {"h0", "h1"}, diverged
+    pair = [0, 1] if nproc == 1 else [1, 3]  # ranks 1 and 3 keep the same share
     for e in diverged:
-        assert e["ranks"] == [0, 1] and e["hosts"] == ["h0", "h1"] and e["odd"] == [], e
+        assert e["ranks"] == pair and e["hosts"] == ["h0", "h1"] and e["odd"] == [], e
         assert 12 <= e["step"] <= 12 + 8 and 0 <= e["agreed"] < 12, e
     return found
 
 
 @pytest.mark.etcd
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_a_flipped_parameter_is_rolled_back_to_the_step_the_replicas_agreed_on(
-        tmp_path: Path) -> None:
+        tmp_path: Path, nproc: int) -> None:
     """Silent data corruption on one replica, caught by the digests its saves carry: both
     hosts report it once, go back together to the newest step the replicas agreed on (no
-    restart of --max-restarts spent) and end bitwise equal to a run without the flip."""
+    restart of --max-restarts spent) and end bitwise equal to a run without the flip.
+    With two workers per host the replicated state is split between them and the
+    flipped rank compares with the rank keeping the same share on the other host (the
+    gradients are summed in a fixed order, --grad-sync params, so that a world of four
+    resumes bitwise)."""
     from hosts import assert_bitwise
 
+    train = ("--grad-sync", "params", "--replicated") if nproc == 2 else ()
     reference = tmp_path / "reference"
-    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--no-standby", TRAIN, "--steps", "40",
-                "--out", str(reference / "ref.pt")], env=env_with(reference), timeout=240)
+    done = run([*GEMINI, "run", "--nproc-per-node", str(2 * nproc), "--no-standby", TRAIN,
+                *train, "--steps", "40", "--out", str(reference / "ref.pt")],
+               env=env_with(reference), timeout=240)
     assert done.returncode == 0, done.output[-3000:]
-    found = _flip_run(tmp_path)
+    found = _flip_run(tmp_path, nproc=nproc, train=train)
     agreed = {e["agreed"] for e in found if e["event"] == "replicas_diverged"}
     rollbacks = [e for e in found if e["event"] == "rollback"]
     assert {e["host"] for e in rollbacks} == {"h0", "h1"} and {e["step"] for e in rollbacks} == agreed

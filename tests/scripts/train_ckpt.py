@@ -49,8 +49,9 @@ p.add_argument("--grow-at", default="", metavar="STEP:MB",
                "outgrows its slots (with a full /dev/shm, the new ones cannot be made)")
 p.add_argument("--flip-param", default="", metavar="RANK:STEP",
                help="silent data corruption: right after the optimizer step of STEP (in a "
-               "run started from step 0 only), rank RANK flips one mantissa bit of its "
-               "first parameter")
+               "run started from step 0 only), rank RANK flips one mantissa bit of a "
+               "parameter it saves itself (with replicated state split between the local "
+               "ranks, one of its share)")
 p.add_argument("--report-slots", action="store_true",
                help="rank 0 prints the bytes of the last step in the host's own slots "
                "(every rank's) and the bytes of one model and optimizer state")
@@ -130,9 +131,15 @@ for step in range(start, args.steps):
     opt.step()
     if args.flip_param and start == 0 and (rank, step) == tuple(
             map(int, args.flip_param.split(":"))):
+        ckpt.wait()  # the parameter flipped is one this rank saves itself (its share)
+        newest = ckpt._segments[ckpt._newest]
+        meta = memory.read_meta(newest.view, memory.read_header(newest.view))
+        params = dict(model.named_parameters())
+        name = next(e["path"][len("/model/"):] for e in meta["tensors"]
+                    if e["path"][len("/model/"):] in params)
         with torch.no_grad():
-            next(net.parameters()).view(-1)[:1].view(torch.int32)[0] ^= 1 << 12
-        print(f"flipped rank={rank} step={step}", flush=True)
+            params[name].view(-1)[:1].view(torch.int32)[0] ^= 1 << 12
+        print(f"flipped rank={rank} step={step} param={name}", flush=True)
     sched.step()
     extra["progress"]["samples"] += 16
     if args.private_mb:
