@@ -577,7 +577,7 @@ class ReplicationService:
                 self._reported = time.monotonic()
                 self.events.write("replication_progress", sstar=nxt.sstar, every=nxt.every,
                                   margin=nxt.margin, lag_steps=nxt.lag_steps, lag_seconds=nxt.lag_seconds,
-                                  seconds=nxt.seconds)
+                                  seconds=nxt.seconds, checked=nxt.checked)
 
     def _write_plan(self, plan: progress.Plan, *, first: bool = False) -> None:
         """Publish the round's plan: the first one over whatever is there, the next ones
@@ -736,7 +736,8 @@ class ReplicationService:
     def close(self) -> None:
         self.stop_sending()
         self.events.write("replication_done", pushes=self.pushes, sent=self.sent,
-                          skipped=self.skipped)
+                          skipped=self.skipped,
+                          checked=self._plan.checked if self._plan is not None else 0)
         with self._lock:
             for client in self._clients.values():
                 client.close()

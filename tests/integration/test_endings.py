@@ -225,10 +225,10 @@ def test_sigterm_on_two_hosts_persists_one_step_of_every_rank(tmp_path: Path) ->
     assert_bitwise(torch.load(tmp_path / "out.pt"), torch.load(reference / "ref.pt"))
 
 
-def _flip_run(tmp_path: Path, *flags: str, nproc: int = 1, train: tuple[str, ...] = ()
-              ) -> list[dict]:
+def _flip_run(tmp_path: Path, *flags: str, nproc: int = 1, train: tuple[str, ...] = (),
+              at: int = 12) -> list[dict]:
     """Two etcd hosts of ``nproc`` workers train 40 steps; rank 1 (host h0 with two
-    workers, else h1) flips one bit of a parameter it saves in step 12 (after its
+    workers, else h1) flips one bit of a parameter it saves in step ``at`` (after its
     optimizer step, before its save) and trains on, raising no error. Both hosts must end
     with exit code 0; their events are returned."""
     import time
@@ -243,7 +243,7 @@ def _flip_run(tmp_path: Path, *flags: str, nproc: int = 1, train: tuple[str, ...
                 "--rdzv-id", "sdc", "--rdzv-conf", "last_call_timeout=1", "--store", etcd.url,
                 "--replication-addr", "127.0.0.1", "--no-standby", "--replicate-every", "2",
                 *flags, TRAIN, *train, "--steps", "40", "--sleep", "0.1",
-                "--flip-param", "1:12", "--out", str(tmp_path / "out.pt")]
+                "--flip-param", f"1:{at}", "--out", str(tmp_path / "out.pt")]
         try:
             hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
             wait_exit(hosts, hosts, time.monotonic() + 240)
@@ -262,7 +262,7 @@ def _flip_run(tmp_path: Path, *flags: str, nproc: int = 1, train: tuple[str, ...
     pair = [0, 1] if nproc == 1 else [1, 3]  # ranks 1 and 3 keep the same share
     for e in diverged:
         assert e["ranks"] == pair and e["hosts"] == ["h0", "h1"] and e["odd"] == [], e
-        assert 12 <= e["step"] <= 12 + 8 and 0 <= e["agreed"] < 12, e
+        assert at <= e["step"] <= at + 8 and 0 <= e["agreed"] < at, e  # two targets at most
     return found
 
 
@@ -277,15 +277,18 @@ def test_a_flipped_parameter_is_rolled_back_to_the_step_the_replicas_agreed_on(
     flipped rank compares with the rank keeping the same share on the other host (the
     gradients are summed in a fixed order, --grad-sync params, so that a world of four
     resumes bitwise)."""
+    import random
+
     from hosts import assert_bitwise
 
     train = ("--grad-sync", "params", "--replicated") if nproc == 2 else ()
+    at = random.randint(4, 24)  # the step of the flip; shown by a failing assertion
     reference = tmp_path / "reference"
     done = run([*GEMINI, "run", "--nproc-per-node", str(2 * nproc), "--no-standby", TRAIN,
                 *train, "--steps", "40", "--out", str(reference / "ref.pt")],
                env=env_with(reference), timeout=240)
     assert done.returncode == 0, done.output[-3000:]
-    found = _flip_run(tmp_path, nproc=nproc, train=train)
+    found = _flip_run(tmp_path, nproc=nproc, train=train, at=at)
     agreed = {e["agreed"] for e in found if e["event"] == "replicas_diverged"}
     rollbacks = [e for e in found if e["event"] == "rollback"]
     assert {e["host"] for e in rollbacks} == {"h0", "h1"} and {e["step"] for e in rollbacks} == agreed
@@ -303,3 +306,33 @@ def test_with_warn_a_flipped_parameter_is_reported_and_never_becomes_restorable(
     assert not [e for e in found if e["event"] == "rollback"]
     progress = [e for e in found if e["event"] == "replication_progress"]
     assert progress and max(e["sstar"] for e in progress) < 12, progress
+
+
+@pytest.mark.etcd
+def test_a_thousand_healthy_steps_raise_no_false_alarm(tmp_path: Path) -> None:
+    """Two hosts of two workers, 1,000 steps as fast as they go: every replication target
+    (dozens of them) compares the replicas, and they always agree."""
+    import time
+
+    from etcd_server import EtcdServer
+    from hosts import Host, wait_exit
+
+    hosts: list[Host] = []
+    with EtcdServer() as etcd:
+        argv = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", "2",
+                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                "--rdzv-id", "healthy", "--rdzv-conf", "last_call_timeout=1",
+                "--store", etcd.url, "--replication-addr", "127.0.0.1", "--no-standby",
+                "--replicate-every", "2", TRAIN, "--steps", "1000", "--width", "16"]
+        try:
+            hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
+            wait_exit(hosts, hosts, time.monotonic() + 280)
+            for host in hosts:
+                assert host.proc.returncode == 0, host.output()[-3000:]
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    found = events(tmp_path / "runs")
+    assert not [e for e in found if e["event"] in ("replicas_diverged", "rollback")]
+    done = [e for e in found if e["event"] == "replication_done"]
+    assert len(done) == 2 and all(e["checked"] >= 20 for e in done), done
