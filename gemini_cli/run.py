@@ -76,6 +76,9 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "When the data-parallel replicas' state disagrees (silent data corruption): rollback "
      "every rank to the newest step they agreed on, stop (exit 5), or warn.  "
      "[default: rollback]"),
+    (("--exclude-divergent/--no-exclude-divergent",), "exclude_divergent",
+     "When a majority of three or more replicas outvotes this host's state, this host "
+     "leaves the job (exit 6) and a spare or the others go on.  [default: no]"),
     (("--max-same-failures", "--max_same_failures"), "max_same_failures",
      "Restarts failing the same way with no new step in between before the job stops for "
      "good with exit code 7 (do not requeue); 0: never.  [default: 3]"),

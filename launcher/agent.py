@@ -27,6 +27,7 @@ from launcher.config import TORCHRUN_FIELDS, RunConfig
 from launcher.contract import ENV_HOST_ID, ENV_RUN_DIR, ENV_SUPERVISOR_PID
 from launcher.errors import (
     ConfigError,
+    HostUnhealthyError,
     Interrupted,
     NoProgressError,
     StorageError,
@@ -390,6 +391,8 @@ def _run_agent(config: RunConfig, launch_config: Any, spec: Any, host: _Host, *,
                 "memory for the next `gemini run` of this run on this host") from None
         if isinstance(exc, (RendezvousError, DistError)):
             raise StoreError(f"rendezvous failed: {type(exc).__name__}: {exc}") from exc
+        if isinstance(exc, HostUnhealthyError):  # this host leaves; the job goes on
+            shutdown_rdzv = False
         if isinstance(exc, StorageError):  # nothing is wrong with what the slots committed
             shutdown_rdzv = False  # this host's next run of the job joins it again
             outcome = "storage_error"
@@ -559,6 +562,7 @@ def _memory_service(config: RunConfig, launch_config: Any, owner: SlotOwner, eve
         persist.start()
     service = MemoryService(owner, events, replication=replication, persist=persist)
     service.on_divergence, service.max_rollbacks = config.on_divergence, config.max_same_failures
+    service.exclude_divergent = config.exclude_divergent
     if replication is not None:
         replication.on_diverged = service.diverged
     return service

@@ -183,6 +183,10 @@ class RunConfig:
     ``rollback`` every rank to the newest step they agreed on (at most
     ``max_same_failures`` times to one step, then stop), ``stop`` the job (exit 5), or
     ``warn`` only."""
+    exclude_divergent: bool = dataclasses.field(default=False, metadata={"gemini": True})
+    """When a strict majority of the replicas outvotes this host's (three replicas or
+    more), this host leaves the job (exit 6) and the others go on from the newest step
+    the replicas agreed on, a spare taking its place, instead of every host rolling back."""
     max_same_failures: int = dataclasses.field(default=3, metadata={"gemini": True})
     """Restarts that fail the same way without a new step in between before the job stops
     for good with exit code 7 (do not requeue); 0 turns the guard off."""

@@ -28,6 +28,7 @@ from launcher.contract import (
 from launcher.errors import (
     CheckpointError,
     GeminiError,
+    HostUnhealthyError,
     ReplicasDivergedError,
     ReplicationError,
 )
@@ -94,6 +95,8 @@ class MemoryService:
         """What the replicas' disagreement does: ``rollback``, ``stop`` or ``warn``."""
         self.max_rollbacks = 3
         """Rollbacks to the same agreed step before the job stops (0: no limit)."""
+        self.exclude_divergent = False
+        """A host whose ranks a majority of the replicas outvotes leaves the job."""
         self.rollback_to: int | None = None
         """A rollback the agent has yet to carry out (the step the replicas agreed on)."""
         self.fatal: GeminiError | None = None
@@ -375,10 +378,25 @@ class MemoryService:
         ``rollback``, every host's workers go back to the newest step they agreed on (the
         agent restarts them, :attr:`rollback_to`; no restart of ``--max-restarts`` is
         spent), at most :attr:`max_rollbacks` times to the same step; with ``stop``, or
-        past that, the job stops with exit code 5; with ``warn``, nothing more."""
+        past that, the job stops with exit code 5; with ``warn``, nothing more. With
+        :attr:`exclude_divergent` and a majority (three replicas or more), the outvoted
+        host leaves instead (exit 6, as an unhealthy host) and the others' next round
+        restores the agreed step."""
         agreed = int(record.get("agreed", -1))
         why = (f"the replicas of step {record.get('step')} disagree (rank(s) "
                f"{', '.join(map(str, record.get('ranks', [])))})")
+        odd = {int(rank) for rank in record.get("odd") or ()}
+        if self.exclude_divergent and odd and self.on_divergence != "warn":
+            # The majority is right: the outvoted host leaves (as a lost host), and every
+            # round's plan stops at the agreed step (the outvoted ranks' newer replicas
+            # are the corrupted ones).
+            self.ceiling = agreed
+            mine = odd & (self.server.ranks or frozenset())
+            if mine:
+                self.fatal = HostUnhealthyError(
+                    f"{why}: the majority outvotes rank(s) {', '.join(map(str, sorted(mine)))}"
+                    " of this host; it leaves the job (--exclude-divergent)")
+            return
         if self.on_divergence == "stop":
             self.fatal = ReplicasDivergedError(f"{why}; stopping (--on-divergence stop)")
         elif self.on_divergence == "rollback":

@@ -336,3 +336,54 @@ def test_a_thousand_healthy_steps_raise_no_false_alarm(tmp_path: Path) -> None:
     assert not [e for e in found if e["event"] in ("replicas_diverged", "rollback")]
     done = [e for e in found if e["event"] == "replication_done"]
     assert len(done) == 2 and all(e["checked"] >= 20 for e in done), done
+
+
+@pytest.mark.etcd
+def test_with_exclusion_the_outvoted_host_leaves_and_a_spare_takes_its_place(
+        tmp_path: Path) -> None:
+    """Three hosts of one worker and a spare, --exclude-divergent: rank 1 flips a bit of
+    a parameter; the two other replicas outvote it, its host leaves the job (exit 6), the
+    spare takes its node slot from the newest step the replicas agreed on, and the run
+    ends bitwise equal to one without the flip (gradients summed in a fixed order: a
+    world of three)."""
+    import time
+
+    from etcd_server import EtcdServer
+    from hosts import Host, assert_bitwise, wait_exit, wait_for
+
+    train = ("--grad-sync", "params", "--replicated")
+    reference = tmp_path / "reference"
+    done = run([*GEMINI, "run", "--nproc-per-node", "3", "--no-standby", TRAIN, *train,
+                "--steps", "40", "--out", str(reference / "ref.pt")],
+               env=env_with(reference), timeout=240)
+    assert done.returncode == 0, done.output[-3000:]
+    hosts: list[Host] = []
+    with EtcdServer() as etcd:
+        argv = [*GEMINI, "run", "--nnodes", "3:3", "--nproc-per-node", "1",
+                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
+                "--rdzv-id", "outvoted", "--rdzv-conf", "last_call_timeout=1",
+                "--store", etcd.url, "--replication-addr", "127.0.0.1", "--no-standby",
+                "--replicate-every", "2", "--exclude-divergent", "--max-restarts", "3",
+                TRAIN, *train,
+                "--steps", "40", "--sleep", "0.1", "--flip-param", "1:12",
+                "--out", str(tmp_path / "out.pt")]
+        try:
+            hosts = [Host(tmp_path, f"h{i}", argv) for i in range(3)]
+            wait_for(lambda: all("resume rank=" in h.output() for h in hosts), 120,
+                     "every host training", hosts)
+            hosts.append(Host(tmp_path, "spare", argv))
+            wait_exit(hosts, hosts, time.monotonic() + 240)
+        finally:
+            for host in hosts:
+                kill_group(host.proc)
+    found = events(tmp_path / "runs")
+    diverged = [e for e in found if e["event"] == "replicas_diverged"]
+    assert diverged and all(e["odd"] == [1] for e in diverged), diverged
+    flipped = next(h for h in hosts if "flipped rank=1" in h.output())
+    assert flipped.proc.returncode == 6, flipped.output()[-3000:]
+    assert "it leaves the job (--exclude-divergent)" in flipped.output()
+    for host in hosts:
+        if host is not flipped:
+            assert host.proc.returncode == 0, host.output()[-3000:]
+    assert "resume rank=1" in next(h for h in hosts if h.name == "spare").output()
+    assert_bitwise(torch.load(tmp_path / "out.pt"), torch.load(reference / "ref.pt"))

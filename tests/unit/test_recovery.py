@@ -176,7 +176,7 @@ def test_the_divergence_policy() -> None:
 
     service = MemoryService.__new__(MemoryService)  # the policy alone: no slots, no server
     service.ceiling, service.rollback_to, service.fatal, service._rollbacks = None, None, None, {}
-    service.on_divergence, service.max_rollbacks = "rollback", 2
+    service.on_divergence, service.max_rollbacks, service.exclude_divergent = "rollback", 2, False
     record = {"step": 14, "agreed": 10, "ranks": [0, 1]}
     for _ in range(2):
         service.diverged(record)
@@ -190,3 +190,20 @@ def test_the_divergence_policy() -> None:
     service.fatal, service.on_divergence = None, "warn"
     service.diverged(record)
     assert service.fatal is None and service.rollback_to is None
+
+
+def test_with_exclusion_the_outvoted_host_leaves_and_the_others_stop_at_the_agreed_step() -> None:
+    from types import SimpleNamespace
+
+    from launcher.errors import HostUnhealthyError
+    from launcher.tiers import MemoryService
+
+    record = {"step": 14, "agreed": 10, "ranks": [0, 1, 2], "odd": [1]}
+    for ranks, leaves in ((frozenset({1}), True), (frozenset({0}), False)):
+        service = MemoryService.__new__(MemoryService)
+        service.ceiling, service.rollback_to, service.fatal, service._rollbacks = None, None, None, {}
+        service.on_divergence, service.max_rollbacks, service.exclude_divergent = "rollback", 3, True
+        service.server = SimpleNamespace(ranks=ranks)  # type: ignore[assignment]
+        service.diverged(record)
+        assert service.ceiling == 10 and service.rollback_to is None  # no rollback restart
+        assert isinstance(service.fatal, HostUnhealthyError) is leaves
