@@ -368,10 +368,18 @@ def test_lost_group_resumes_from_the_persistent_tier(tmp_path: Path) -> None:
     """Four hosts, two placement groups {0, 1} and {2, 3}: losing both hosts of the first
     group loses every in-memory copy of their ranks, so all ranks restore the newest
     step complete in the persistent tier."""
+    from launcher.persist import complete_steps
+
     reference = _reference(tmp_path, 4)
     persist = tmp_path / "persist"
+
+    def persisted(etcd: EtcdServer, hosts: list[Host]) -> None:
+        # the writers run at low priority: on a busy machine step 15 lands after step 20
+        wait_for(lambda: max(complete_steps(persist, "repl"), default=-1) >= 15, 60,
+                 "a complete persisted step >= 15", hosts)
+
     plans = _run_and_replace(tmp_path, 4, [0, 1], "--persist-dir", str(persist),
-                             "--persist-every", "5", nproc=1)
+                             "--persist-every", "5", nproc=1, probe=persisted)
     assert len(plans) == 4 and len({p["step"] for p in plans}) == 1, plans
     step = plans[0]["step"]
     assert step is not None and step >= 15 and step % 5 == 0, plans
