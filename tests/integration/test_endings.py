@@ -171,6 +171,16 @@ def test_sigterm_persists_the_newest_step_and_a_fresh_host_resumes_there(tmp_pat
     assert torch.equal(ours["rng"], theirs["rng"]) and ours["samples"] == theirs["samples"]
 
 
+def _etcd_run(etcd: object, run_id: str, nnodes: str, nproc: int, *flags: str) -> list[str]:
+    """``gemini run`` of one simulated host of an etcd-v3 job (rendezvous and store in
+    ``etcd``), loopback replication, no standbys; ``flags`` go before the script."""
+    return [*GEMINI, "run", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,  # type: ignore[attr-defined]
+            "--rdzv-id", run_id, "--rdzv-conf", "last_call_timeout=1",
+            "--store", etcd.url, "--replication-addr", "127.0.0.1", "--no-standby",  # type: ignore[attr-defined]
+            *flags]
+
+
 @pytest.mark.etcd
 def test_sigterm_on_two_hosts_persists_one_step_of_every_rank(tmp_path: Path) -> None:
     """Both hosts of a 2 x 1 job get SIGTERM (a preempted allocation): they agree on one
@@ -191,11 +201,7 @@ def test_sigterm_on_two_hosts_persists_one_step_of_every_rank(tmp_path: Path) ->
     persist = tmp_path / "persist"
     hosts: list[Host] = []
     with EtcdServer() as etcd:
-        argv = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
-                "--rdzv-id", "preempt2", "--rdzv-conf", "last_call_timeout=1",
-                "--store", etcd.url, "--replication-addr", "127.0.0.1", "--no-standby",
-                "--persist-dir", str(persist), TRAIN, *steps]
+        argv = _etcd_run(etcd, "preempt2", "2", 1, "--persist-dir", str(persist), TRAIN, *steps)
         try:
             hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
             wait_for(lambda: any(re.search(r"^step 15 ", h.output(), re.M) for h in hosts),
@@ -238,12 +244,9 @@ def _flip_run(tmp_path: Path, *flags: str, nproc: int = 1, train: tuple[str, ...
 
     hosts: list[Host] = []
     with EtcdServer() as etcd:
-        argv = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", str(nproc),
-                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
-                "--rdzv-id", "sdc", "--rdzv-conf", "last_call_timeout=1", "--store", etcd.url,
-                "--replication-addr", "127.0.0.1", "--no-standby", "--replicate-every", "2",
-                *flags, TRAIN, *train, "--steps", "40", "--sleep", "0.1",
-                "--flip-param", f"1:{at}", "--out", str(tmp_path / "out.pt")]
+        argv = _etcd_run(etcd, "sdc", "2", nproc, "--replicate-every", "2", *flags, TRAIN,
+                         *train, "--steps", "40", "--sleep", "0.1", "--flip-param", f"1:{at}",
+                         "--out", str(tmp_path / "out.pt"))
         try:
             hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
             wait_exit(hosts, hosts, time.monotonic() + 240)
@@ -319,11 +322,8 @@ def test_a_thousand_healthy_steps_raise_no_false_alarm(tmp_path: Path) -> None:
 
     hosts: list[Host] = []
     with EtcdServer() as etcd:
-        argv = [*GEMINI, "run", "--nnodes", "2", "--nproc-per-node", "2",
-                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
-                "--rdzv-id", "healthy", "--rdzv-conf", "last_call_timeout=1",
-                "--store", etcd.url, "--replication-addr", "127.0.0.1", "--no-standby",
-                "--replicate-every", "2", TRAIN, "--steps", "1000", "--width", "16"]
+        argv = _etcd_run(etcd, "healthy", "2", 2, "--replicate-every", "2", TRAIN,
+                         "--steps", "1000", "--width", "16")
         try:
             hosts = [Host(tmp_path, f"h{i}", argv) for i in range(2)]
             wait_exit(hosts, hosts, time.monotonic() + 280)
@@ -359,14 +359,10 @@ def test_with_exclusion_the_outvoted_host_leaves_and_a_spare_takes_its_place(
     assert done.returncode == 0, done.output[-3000:]
     hosts: list[Host] = []
     with EtcdServer() as etcd:
-        argv = [*GEMINI, "run", "--nnodes", "3:3", "--nproc-per-node", "1",
-                "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", etcd.endpoint,
-                "--rdzv-id", "outvoted", "--rdzv-conf", "last_call_timeout=1",
-                "--store", etcd.url, "--replication-addr", "127.0.0.1", "--no-standby",
-                "--replicate-every", "2", "--exclude-divergent", "--max-restarts", "3",
-                TRAIN, *train,
-                "--steps", "40", "--sleep", "0.1", "--flip-param", "1:12",
-                "--out", str(tmp_path / "out.pt")]
+        argv = _etcd_run(etcd, "outvoted", "3:3", 1, "--replicate-every", "2",
+                         "--exclude-divergent", "--max-restarts", "3", TRAIN, *train,
+                         "--steps", "40", "--sleep", "0.1", "--flip-param", "1:12",
+                         "--out", str(tmp_path / "out.pt"))
         try:
             hosts = [Host(tmp_path, f"h{i}", argv) for i in range(3)]
             wait_for(lambda: all("resume rank=" in h.output() for h in hosts), 120,
