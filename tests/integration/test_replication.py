@@ -325,7 +325,12 @@ def test_a_worker_crash_restarts_every_host_in_one_round(tmp_path: Path) -> None
     started = [float(e["ts"]) for e in after if e["event"] == "start"]  # type: ignore[arg-type]
     assert len(started) == 3 and max(started) - killed < 20, after
     plans = [e for e in after if e["event"] == "restore_plan"]
-    assert len({p["step"] for p in plans}) == 1 and plans[0]["step"] >= 19, plans
+    # the newest step every rank holds in its own memory: the step in flight at the kill,
+    # or one older where a survivor's save of the next step had to take the slot that
+    # held it while the other kept s* for replication (docs/replication.md)
+    held = [set(steps) for p in plans for steps in p["local"].values()]  # type: ignore[union-attr]
+    assert len({p["step"] for p in plans}) == 1, plans
+    assert plans[0]["step"] == max(set.intersection(*held)) >= 18, plans
     assert all(set(p["sources"].values()) == {"memory"} for p in plans), plans  # type: ignore[union-attr]
     assert_bitwise(torch.load(tmp_path / "out.pt"), reference)
 
