@@ -14,7 +14,7 @@ import argparse
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 
 from launcher import Checkpointer
 from launcher.integrations.accelerate import accelerator_state
@@ -24,7 +24,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     args = parser.parse_args()
-    accelerator = Accelerator(cpu=True)
+    # The seedable sampler draws each epoch's order from the seed and the epoch alone, so a
+    # resumed run replays it in every epoch (docs/integrations.md, "The data order").
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        use_seedable_sampler=True))
     set_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -32,9 +35,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     inputs = torch.randn(512, 16, generator=g)
     dataset = torch.utils.data.TensorDataset(inputs, inputs.sum(dim=1, keepdim=True))
-    # Its own generator keeps a resumed run bitwise equal to one that never failed.
-    data = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=True,
-                                       generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=True)
     model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
 
     ckpt = Checkpointer(extra={"accelerator": accelerator_state(accelerator)})

@@ -127,20 +127,22 @@ def test_the_ranks_of_a_host_keep_one_copy_of_replicated_state(tmp_path: Path,
 @pytest.mark.parametrize("given", ["model and optimizer", "DCP app state"])
 def test_fsdp2_sharded_state_resumes_bitwise(tmp_path: Path, given: str) -> None:
     """FSDP2 (fully_shard, gloo, CPU): parameters and optimizer state are DTensors, each
-    rank saving its shard (33 rows split 17/16); a rank killed after step 4 resumes at 5,
+    rank saving its shard (33 rows split 17/16); a rank killed after step 5 resumes at 6,
     and the full state at the end equals that of a run without failure. The Checkpointer
     is given the model and optimizer, or only a torch.distributed.checkpoint ``Stateful``
-    app state (``get_state_dict``/``set_state_dict``), as DCP users and torchtitan do."""
-    script = [str(SCRIPTS / "train_fsdp.py"), "--steps", "8",
+    app state (``get_state_dict``/``set_state_dict``), as DCP users and torchtitan do; the
+    batches come from a shuffled loader (4 a rank and epoch, DistributedSampler) and the
+    kill falls in the second epoch, which the resumed run fast-forwards."""
+    script = [str(SCRIPTS / "train_fsdp.py"), "--steps", "10", "--loader",
               *(["--app-state"] if given == "DCP app state" else [])]
     ref = run([*GEMINI, "run", "--nproc-per-node", "2", *script, "--out",
                str(tmp_path / "ref.pt")], env=env_with(tmp_path), timeout=180)
     assert ref.returncode == 0, ref.output[-3000:]
     done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "1", *script,
-                "--kill", "1:4", "--out", str(tmp_path / "out.pt")],
+                "--kill", "1:5", "--out", str(tmp_path / "out.pt")],
                env=env_with(tmp_path), timeout=180)
     assert done.returncode == 0, done.output[-3000:]
-    assert _resumes(done.stdout) == {0: {0}, 1: {5}}
+    assert _resumes(done.stdout) == {0: {0}, 1: {6}}
     expected, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
     assert sorted(got) == sorted(expected) and len(got) == 16
     assert all(torch.equal(got[k], expected[k]) for k in expected)

@@ -26,20 +26,21 @@ def _starts(stdout: str) -> dict[int, list[int]]:
 
 def test_a_hugging_face_trainer_resumes_from_memory(tmp_path: Path) -> None:
     """transformers.Trainer (a tiny GPT-2, 12 steps over 1.5 epochs, dropout on) with
-    ``launcher.integrations.huggingface``: rank 1 is killed once step 5 is committed; both
-    ranks restart and the Trainer resumes at global step 5 from memory, without
-    ``resume_from_checkpoint``, mid-epoch. The final weights and every logged loss (the
-    restored log history, then the steps after the resume) equal an unfailed run's."""
+    ``launcher.integrations.huggingface``: rank 1 is killed once step 10 is committed; both
+    ranks restart and the Trainer resumes at global step 10 from memory, without
+    ``resume_from_checkpoint``, in the second epoch (8 steps each). The final weights and
+    every logged loss (the restored log history, then the steps after the resume) equal an
+    unfailed run's."""
     script = [str(SCRIPTS / "train_hf.py"), "--steps", "12", "--output-dir",
               str(tmp_path / "hf")]
     ref = run([*GEMINI, "run", "--nproc-per-node", "2", *script, "--out",
                str(tmp_path / "ref.pt")], env=env_with(tmp_path), timeout=300)
     assert ref.returncode == 0, ref.output[-4000:]
     done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "1", *script,
-                "--kill", "1:5", "--out", str(tmp_path / "out.pt")],
+                "--kill", "1:10", "--out", str(tmp_path / "out.pt")],
                env=env_with(tmp_path), timeout=300)
     assert done.returncode == 0, done.output[-4000:]
-    assert _starts(done.stdout) == {0: [0, 5], 1: [0, 5]}, done.stdout[-3000:]
+    assert _starts(done.stdout) == {0: [0, 10], 1: [0, 10]}, done.stdout[-3000:]
     expected = torch.load(tmp_path / "ref.pt")
     got = torch.load(tmp_path / "out.pt")
     assert got["global_step"] == expected["global_step"] == 12
@@ -49,26 +50,35 @@ def test_a_hugging_face_trainer_resumes_from_memory(tmp_path: Path) -> None:
         assert torch.equal(got["weights"][key], tensor), key
 
 
-def test_an_accelerate_loop_resumes_from_memory(tmp_path: Path) -> None:
-    """accelerate (a prepared model, optimizer, scheduler and data loader; dropout) with
-    ``launcher.integrations.accelerate``: rank 1 is killed once step 5 is committed; both
-    ranks resume at step 6 from memory, the loader fast-forwarded with
-    ``skip_first_batches``. The final weights and the losses of the steps after the
-    resume equal an unfailed run's."""
-    script = [str(SCRIPTS / "train_accelerate.py")]
+@pytest.mark.parametrize("sampler", ["generator", "seedable"])
+def test_an_accelerate_loop_resumes_from_memory(tmp_path: Path, sampler: str) -> None:
+    """accelerate (a prepared model, optimizer, scheduler and shuffled data loader, 8
+    batches per epoch and rank, 20 steps; dropout) with ``launcher.integrations.accelerate``.
+    Rank 1 is killed once step 13 is committed, in the second epoch: both ranks resume at
+    step 14 from memory, the loader fast-forwarded with ``skip_first_batches`` over that
+    epoch's order (drawn by the loader's own generator, or by accelerate's seedable
+    sampler). With the generator, rank 0 is also killed once step 15, the second epoch's
+    last, is committed: the third epoch draws a new order, as the unfailed run's did. Each
+    time, the final weights and the losses of the steps after the resume equal an unfailed
+    run's."""
+    script = [str(SCRIPTS / "train_accelerate.py"), "--steps", "20", "--sampler", sampler]
     ref = run([*GEMINI, "run", "--nproc-per-node", "2", *script, "--out",
                str(tmp_path / "ref.pt")], env=env_with(tmp_path), timeout=300)
     assert ref.returncode == 0, ref.output[-4000:]
-    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "1", *script,
-                "--kill", "1:5", "--out", str(tmp_path / "out.pt")],
-               env=env_with(tmp_path), timeout=300)
-    assert done.returncode == 0, done.output[-4000:]
-    starts = re.findall(r"resume rank=(\d+) start=(\d+)", done.stdout)  # see _starts
-    assert sorted(starts) == [("0", "0"), ("0", "6"), ("1", "0"), ("1", "6")], starts
-    expected, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "out.pt")
-    assert got["losses"] == {s: expected["losses"][s] for s in range(6, 12)}
-    for key, tensor in expected["weights"].items():
-        assert torch.equal(got["weights"][key], tensor), key
+    expected = torch.load(tmp_path / "ref.pt")
+    for rank, step in ((1, 13), (0, 15))[:2 if sampler == "generator" else 1]:
+        out = tmp_path / f"out-{rank}-{step}.pt"
+        done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "1", *script,
+                    "--kill", f"{rank}:{step}", "--out", str(out)],
+                   env=env_with(tmp_path), timeout=300)
+        assert done.returncode == 0, done.output[-4000:]
+        starts = re.findall(r"resume rank=(\d+) start=(\d+)", done.stdout)  # see _starts
+        resumed = str(step + 1)
+        assert sorted(starts) == [("0", "0"), ("0", resumed), ("1", "0"), ("1", resumed)]
+        got = torch.load(out)
+        assert got["losses"] == {s: expected["losses"][s] for s in range(step + 1, 20)}, step
+        for key, tensor in expected["weights"].items():
+            assert torch.equal(got["weights"][key], tensor), (step, key)
 
 
 def test_a_lightning_trainer_resumes_from_memory(tmp_path: Path) -> None:

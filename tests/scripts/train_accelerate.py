@@ -1,12 +1,15 @@
 """A small model trained with Hugging Face accelerate (CPU, gloo under ``gemini run``),
 checkpointed through ``launcher.integrations.accelerate``: 12 steps over 1.5 epochs of a
-data loader prepared by the accelerator, with dropout (random state) and an LR schedule.
+data loader prepared by the accelerator (shuffled: 8 batches per epoch and rank), with
+dropout (random state) and an LR schedule.
 
   --kill RANK:STEP   SIGKILL rank RANK once step STEP is committed (first attempt only)
   --out PATH         rank 0 writes the final weights and the losses by step
   --mode MODE        gemini (default): in-memory checkpoints every step; none: without
                      them; disk: accelerator.save_state every step instead
   --steps N, --width N  steps and hidden width (benchmarks)
+  --sampler KIND     generator (default): the loader shuffles with a generator of its own;
+                     seedable: accelerate's seedable sampler (order a function of the epoch)
 Prints "resume rank=R start=S" (S: the first step this attempt runs); rank 0 prints
 "median_step_ms=X" at the end (a step with its checkpoint).
 """
@@ -19,7 +22,7 @@ import time
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 
 from launcher import Checkpointer
 from launcher.integrations.accelerate import accelerator_state
@@ -31,11 +34,13 @@ p.add_argument("--mode", choices=["gemini", "none", "disk"], default="gemini")
 p.add_argument("--steps", type=int, default=12)
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--output-dir", default="")
+p.add_argument("--sampler", choices=["generator", "seedable"], default="generator")
 args = p.parse_args()
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 STEPS = args.steps
 
-accelerator = Accelerator(cpu=True)
+accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+    use_seedable_sampler=args.sampler == "seedable"))
 rank = accelerator.process_index
 set_seed(0)
 torch.use_deterministic_algorithms(True)
@@ -46,9 +51,9 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 +
 g = torch.Generator().manual_seed(0)
 dataset = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
                                          torch.randn(64, 1, generator=g))
-# Its own generator: a loader without one draws a seed from the global random state each
-# time it starts iterating, and the fast-forwarded loader of a resume starts once more.
-data = torch.utils.data.DataLoader(dataset, batch_size=4,
+# Its own generator (without one, accelerate gives the sampler one seeded from the global
+# random state); the integration saves its state as the epoch drew its order.
+data = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True,
                                    generator=torch.Generator().manual_seed(0))
 model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
 
@@ -62,7 +67,8 @@ times: list[float] = []
 kill = tuple(map(int, args.kill.split(":"))) if args.kill else None
 step = start
 while step < STEPS:
-    skip = step % PER_EPOCH
+    epoch, skip = divmod(step, PER_EPOCH)
+    data.set_epoch(epoch)
     for inputs, targets in accelerator.skip_first_batches(data, skip) if skip else data:
         began = time.perf_counter()
         loss = torch.nn.functional.mse_loss(model(inputs), targets)

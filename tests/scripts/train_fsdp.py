@@ -17,11 +17,15 @@ Checkpointer: its model and optimizer state are DTensors sharded across the rank
   --hsdp             HSDP: a 2-D mesh, parameters replicated over its first dimension
                      (2 replicas) and sharded over the second
   --report-slots     rank 0 prints the bytes of the last step in the host's slots
+  --loader           batches from a shuffled DataLoader (DistributedSampler, 64 samples of
+                     8 a batch) over epochs, fast-forwarded on resume, instead of one
+                     batch generated from each step's number
 Prints "resume rank=R start=S attempt=A world=W" and "step N" (rank 0); rank 0 prints
 "median_step_ms=X" at the end (a step with its checkpoint).
 """
 
 import argparse
+import itertools
 import os
 import signal
 import sys
@@ -38,6 +42,7 @@ from launcher import Checkpointer
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=8)
+p.add_argument("--loader", action="store_true")
 p.add_argument("--kill", default="")
 p.add_argument("--out", default="")
 p.add_argument("--dump", default="")
@@ -115,9 +120,32 @@ if args.dump and start:
     dump(f"restored-{world}-{start - 1}.pt")
 kill = tuple(map(int, args.kill.split(":"))) if args.kill else None
 times: list[float] = []
-for step in range(start, args.steps):
+
+
+def batches(start: int):
+    """(step, batch) from ``start`` on."""
+    if not args.loader:
+        for step in range(start, args.steps):
+            yield step, torch.randn(8, 16, generator=torch.Generator().manual_seed(
+                step * 100 + rank))
+        return
+    dataset = torch.utils.data.TensorDataset(
+        torch.randn(64, 16, generator=torch.Generator().manual_seed(0)))
+    sampler = torch.utils.data.DistributedSampler(dataset, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler)
+    step = start
+    while step < args.steps:
+        epoch, skip = divmod(step, len(loader))
+        sampler.set_epoch(epoch)  # the order: a function of the seed and the epoch
+        for (x,) in itertools.islice(loader, skip, None):
+            yield step, x
+            step += 1
+            if step == args.steps:
+                return
+
+
+for step, x in batches(start):
     began = time.perf_counter()
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + rank))
     loss = model(x).pow(2).mean()
     loss.backward()
     opt.step()
