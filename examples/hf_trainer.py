@@ -45,6 +45,9 @@ def main() -> None:
         use_cpu=True, disable_tqdm=True, seed=0)
     trainer = gemini_trainer(Trainer(model=model, args=training, train_dataset=Sequences()))
     trainer.train()
+    # The Trainer leaves the process group to the interpreter's exit, where gloo can abort
+    # the process ("terminate called without an active exception"), under torchrun too.
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from gemini_cli import output
 from gemini_cli.errors import code_for
 from launcher.errors import CheckpointError
 
@@ -96,10 +97,9 @@ def _file_row(info: Any, root: Path, with_tensors: bool) -> dict[str, Any]:
 
 def _render(rows: list[dict[str, Any]], with_tensors: bool, where: str,
             title: str = "in-memory checkpoints in") -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = output.console()
     if not rows:
         console.print(f"no gemini checkpoint slots in {where}")
         return

@@ -10,6 +10,8 @@ from typing import Any
 
 import click
 
+from gemini_cli import output
+
 SCHEMA = "gemini.plan/v1"
 
 _UNITS = {
@@ -63,16 +65,21 @@ def _byte_size(ctx: click.Context, param: click.Parameter, value: str | None) ->
               show_default=True,
               help="ddp: every rank holds the whole state, and the ranks of a host keep one "
               "copy of it; sharded (FSDP, tensor parallelism): each rank its own shard.")
+@click.option("--groups/--no-groups", "show_groups", default=None,
+              help="Print the table of placement groups and who holds whose replicas after "
+              "the summary.  [default: for 8 hosts or fewer]")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema gemini.plan/v1).")
 def plan_command(nodes: int, replicas: int, failures: int, state_bytes: int | None,
-                 ranks_per_host: int, parallelism: str, as_json: bool) -> int:
+                 ranks_per_host: int, parallelism: str, show_groups: bool | None,
+                 as_json: bool) -> int:
     """Show how gemini places the replicas of each host's in-memory checkpoint.
 
     Prints the placement groups (group placement when m divides N, mixed placement with
     a ring-placed last group otherwise, as in the GEMINI paper), which hosts keep each
     host's replicas, the probability that --failures simultaneous random host failures
     still leave every checkpoint in memory, and with --state-bytes the CPU memory each
-    host needs. Exit code 0; 2 on invalid input.
+    host needs: a summary first, then (--groups) the table of groups. Exit code 0; 2 on
+    invalid input.
     """
     from launcher.replication.placement import (
         host_checkpoint_bytes,
@@ -107,15 +114,15 @@ def plan_command(nodes: int, replicas: int, failures: int, state_bytes: int | No
     if as_json:
         click.echo(json.dumps(report))
     else:
-        _render(report, probability)
+        _render(report, probability, placement.nodes <= 8 if show_groups is None else show_groups)
     return 0
 
 
-def _render(report: dict[str, Any], probability: Fraction) -> None:
-    from rich.console import Console
+def _render(report: dict[str, Any], probability: Fraction, show_groups: bool) -> None:
+    """The summary (placement, recovery probability, memory per host), then the groups."""
     from rich.table import Table
 
-    console = Console()
+    console = output.console()
     m = report["replicas"]
     capped = (f" (capped from {report['replicas_requested']})"
               if m != report["replicas_requested"] and m > 1 else "")
@@ -124,13 +131,6 @@ def _render(report: dict[str, Any], probability: Fraction) -> None:
            f"{report['kind']} placement, {groups} group{_s(groups)}")
     console.print(f"[bold]{report['nodes']}[/] host{_s(report['nodes'])}, [bold]{m}[/] "
                   f"cop{'ies' if m != 1 else 'y'} of each checkpoint{capped}: {how}")
-    table = Table(title="placement groups")
-    for column in ("group", "nodes", "placement", "replicas of node -> held by"):
-        table.add_column(column)
-    for index, (group, kind) in enumerate(zip(report["groups"], report["group_kinds"], strict=True)):
-        held = "\n".join(f"{n} -> {_nodes(report['holders'][n]) or '-'}" for n in group)
-        table.add_row(str(index), _nodes(group), kind, held)
-    console.print(table)
     k = report["failures"]
     console.print(f"recovery from memory after {k} simultaneous host failure{_s(k)}: "
                   f"[bold]{_percent(probability)}[/] ({report['probability_exact']})")
@@ -146,6 +146,20 @@ def _render(report: dict[str, Any], probability: Fraction) -> None:
                  if m > 1 else f"2 slots x {state}{each}")
         console.print(f"CPU memory per host: [bold]{_size(report['memory_per_host_bytes'])}[/] "
                       f"({parts})")
+        # kB/MB/GB count in powers of 1000, K/M/G and KiB/MiB/GiB in 1024: say which it was
+        console.print(f"one rank's checkpoint (--state-bytes): {report['state_bytes']:,} bytes "
+                      f"= {_decimal(report['state_bytes'])} = {_size(report['state_bytes'])}")
+    if not show_groups:
+        console.print(f"placement groups: {groups} (--groups lists them and who holds whose "
+                      "replicas)")
+        return
+    table = Table(title="placement groups")
+    for column in ("group", "nodes", "placement", "replicas of node -> held by"):
+        table.add_column(column)
+    for index, (group, kind) in enumerate(zip(report["groups"], report["group_kinds"], strict=True)):
+        held = "\n".join(f"{n} -> {_nodes(report['holders'][n]) or '-'}" for n in group)
+        table.add_row(str(index), _nodes(group), kind, held)
+    console.print(table)
 
 
 def _s(count: int) -> str:
@@ -164,6 +178,16 @@ def _percent(p: Fraction) -> str:
     if text == "0.0%" and p > 0:
         return "<0.1%"
     return text
+
+
+def _decimal(n: int) -> str:
+    """``n`` bytes in powers of 1000 (kB, MB, GB, TB)."""
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1000:
+            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    return f"{value:.2f} TB"
 
 
 def _size(n: int) -> str:

@@ -63,7 +63,7 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--persist-dir", "--persist_dir"), "persist_dir",
      "Directory (shared by all hosts) for the persistent tier.  [default: none]"),
     (("--persist-every", "--persist_every"), "persist_every",
-     "Persist every N steps, or every Ts seconds.  [default: 600s]"),
+     "Persist every N steps, or every T seconds (with an s: 600s).  [default: 600s]"),
     (("--persist-keep", "--persist_keep"), "persist_keep",
      "Complete persisted steps to keep.  [default: 2]"),
     (("--persist-on-exit/--no-persist-on-exit",), "persist_on_exit",
@@ -83,6 +83,18 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "Restarts failing the same way with no new step in between before the job stops for "
      "good with exit code 7 (do not requeue); 0: never.  [default: 3]"),
 )
+
+# What each valued flag of gemini's takes, as `gemini run --help` names it.
+_METAVARS = {
+    "run_root": "DIR", "store": "URL", "store_cacert": "FILE", "store_cert": "FILE",
+    "store_key": "FILE", "store_user": "USER", "store_password_file": "FILE",
+    "host_ttl": "SECONDS", "heartbeat_timeout": "SECONDS", "store_timeout": "SECONDS",
+    "hang_timeout": "SECONDS", "replicas": "M", "replication_addr": "HOST[:PORT]",
+    "secret_file": "FILE", "replicate_every": "N", "replication_rate": "MB_PER_S",
+    "persist_dir": "DIR", "persist_every": "N|Ts", "persist_keep": "N",
+    "exit_grace": "SECONDS", "on_divergence": "{rollback,stop,warn}",
+    "max_same_failures": "N",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,7 +157,7 @@ def _parser() -> _Parser:
                                action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS)
         else:
-            group.add_argument(*names, dest=key, help=help_text, metavar="VALUE",
+            group.add_argument(*names, dest=key, help=help_text, metavar=_METAVARS[key],
                                default=argparse.SUPPRESS)
     return parser
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from gemini_cli import output
 from gemini_cli.errors import printable
 
 if TYPE_CHECKING:
@@ -58,11 +59,10 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
     any host of the run (or anyone who may write the store) chose it, so it is neither
     markup for rich nor a terminal control sequence, and a value of an unexpected type
     shows as its JSON, not as a crash."""
-    from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    console = Console(highlight=False)
+    console = output.console(highlight=False)
     if clear:
         console.clear()
     now = time.time()

@@ -867,6 +867,10 @@ def read_status(store: Store, run_id: str, *, max_events: int = 20) -> RunStatus
         record["status"] = ("waiting" if state == "waiting" else "alive") if name in alive else (
             "exited" if state == "exited" else "lost")
         status.hosts.append(record)
+        if record["status"] == "alive":  # its ranks, before their first step is published
+            for rank in record.get("ranks") or []:
+                if isinstance(rank, int) and not isinstance(rank, bool):
+                    status.ranks.setdefault(rank, {"host": name, "memory": None})
     if status.replication is not None:
         for record in status.ranks.values():
             if isinstance(record.get("host"), str) and record["host"] in alive:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import GEMINI, SCRIPTS, env_with, run
+from helpers import GEMINI, SCRIPTS, env_with, kill_group, poll, run
 
 
 @pytest.mark.parametrize("args,exit_code,message", [
@@ -179,6 +180,12 @@ def test_run_help_lists_both_spellings() -> None:
                  "--no-python", "--run-path", "-r REDIRECTS, --redirects", "-t TEE, --tee", "--master-port",
                  "--config"):
         assert flag in done.stdout, flag
+    # gemini's flags name what they take
+    for flag in ("--host-ttl SECONDS", "--store URL", "--store-password-file FILE",
+                 "--replicas M", "--persist-every N|Ts", "--max-same-failures N",
+                 "--on-divergence {rollback,stop,warn}", "--persist-dir DIR"):
+        assert flag in done.stdout, flag
+    assert "VALUE" not in done.stdout
 
 
 def test_template_slurm_uses_slurm_variables() -> None:
@@ -243,6 +250,36 @@ def test_template_slurm_persists_on_preemption_and_never_requeues_exit_7(tmp_pat
     assert f"--persist-dir {tmp_path / 'shared dir'} train.py" in args, args
     assert "update JobId=42 Requeue=0" in (tmp_path / "scontrol.args").read_text()
     assert not list((tmp_path / ".gemini").glob("secret-*"))  # removed on the way out
+
+
+@pytest.mark.parametrize("ending", ["failed", "cancelled"])
+def test_template_slurm_removes_the_secret_however_the_job_ends(tmp_path: Path,
+                                                                ending: str) -> None:
+    """The run's secret file is gone after the script ends: when `gemini run` failed, and
+    when the job is cancelled or preempted (SIGTERM to the job's processes) while it runs."""
+    script = tmp_path / "job.sbatch"
+    script.write_text(run([*GEMINI, "template", "slurm"]).stdout)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    body = "exit 1" if ending == "failed" else "exec sleep 60"
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/srun.args\n{body}\n')
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho node1\n")
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]"}
+    job = subprocess.Popen(["bash", str(script), "train.py"], env=env, text=True,
+                           start_new_session=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT)
+    try:
+        poll(lambda: (tmp_path / "srun.args").exists(), 30, "srun started")
+        if ending == "cancelled":
+            assert list((tmp_path / ".gemini").glob("secret-42")), "no secret while it runs"
+            os.killpg(job.pid, signal.SIGTERM)  # what scancel and a preemption do
+        assert job.wait(timeout=30) == (1 if ending == "failed" else 143)
+    finally:
+        kill_group(job)
+    assert not list((tmp_path / ".gemini").glob("secret-*"))
 
 
 def test_status_shows_hostile_store_values_as_plain_text(tmp_path: Path) -> None:

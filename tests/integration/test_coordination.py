@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from etcd_server import EtcdServer
-from helpers import GEMINI, SCRIPTS, env_with, events, free_port, kill_group, run, start
+from helpers import GEMINI, SCRIPTS, env_with, events, free_port, kill_group, poll, run, start
 
 
 def _status(tmp: Path, *args: str) -> dict:
@@ -37,6 +37,37 @@ def test_single_host_status_with_the_embedded_store(tmp_path: Path) -> None:
     assert _status(tmp_path, "--run-id", "status-run")["run_id"] == "status-run"
     missing = run([*GEMINI, "status", "--run-id", "nope"], env=env_with(tmp_path))
     assert missing.returncode == 2 and "not found" in missing.stderr
+
+
+def test_status_during_a_run_shows_every_rank_and_its_newest_step(tmp_path: Path) -> None:
+    """While a run trains, ``gemini status`` (printed into a pipe, as in a log) lists
+    every rank of the running host from the start, then each rank's newest step in
+    memory as it moves; no cell is cut to 80 columns."""
+    run_id = "status-live-" + "x" * 70  # a long value: wider than 80 columns with its row
+    job = start([*GEMINI, "run", "--nproc-per-node", "2", "--rdzv-id", run_id,
+                 str(SCRIPTS / "train_ckpt.py"), "--steps", "400", "--sleep", "0.05"],
+                env=env_with(tmp_path), stdout=subprocess.DEVNULL)
+    try:
+        def live() -> dict | None:
+            done = run([*GEMINI, "status", "--json", "--run-id", run_id], env=env_with(tmp_path),
+                       timeout=60)
+            status = json.loads(done.stdout) if done.returncode == 0 else None
+            alive = status and [h for h in status["hosts"] if h["status"] == "alive"]
+            return status if alive and sorted(status["ranks"]) == ["0", "1"] else None
+
+        first = poll(live, 120, "the running host's ranks in gemini status")
+        assert all(r["host"] == first["hosts"][0]["host"] for r in first["ranks"].values())
+        moved = poll(lambda: (s := live()) and all(
+            isinstance(r["memory"], int) and r["memory"] >= 20 for r in s["ranks"].values())
+            and s, 120, "each rank's newest step in gemini status")
+        assert job.poll() is None and moved["hosts"][0]["status"] == "alive"
+        shown = run([*GEMINI, "status", "--run-id", run_id], env=env_with(tmp_path), timeout=60)
+        assert shown.returncode == 0 and run_id in shown.stdout, shown.stdout
+        rows = re.findall(r"^\W*([01])\W+(\S+)\W+(\d+|-)\W", shown.stdout, re.M)
+        assert [(rank, step != "-") for rank, _, step in rows] == [("0", True), ("1", True)], (
+            shown.stdout)
+    finally:
+        kill_group(job)
 
 
 def test_a_member_lost_as_its_round_forms_costs_one_read_timeout(tmp_path: Path) -> None:

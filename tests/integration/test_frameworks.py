@@ -9,9 +9,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import GEMINI, SCRIPTS, env_with, run
+from helpers import GEMINI, REPO, SCRIPTS, env_with, run
 
 pytestmark = pytest.mark.frameworks
+
+
+@pytest.mark.parametrize("example", ["hf_trainer.py", "lightning_fit.py", "accelerate_loop.py"])
+def test_the_framework_examples_end_with_success(tmp_path: Path, example: str) -> None:
+    """What a new user runs first: each example, as its docstring says, ends with exit 0
+    (a process group left to the interpreter's exit can abort a finished worker)."""
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", str(REPO / "examples" / example),
+                "--steps", "12"], env=env_with(tmp_path), timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.output[-4000:]
 
 
 def _starts(stdout: str) -> dict[int, list[int]]:

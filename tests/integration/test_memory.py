@@ -98,6 +98,12 @@ def test_inspect_command_reports_and_verifies(supervisor: SlotServer) -> None:
     slots = {s["step"]: s for s in report["slots"]}
     assert set(slots) == {0, 1} and all(s["verified"] for s in slots.values())
     assert "/model/0.weight" in [t["path"] for t in slots[1]["tensors"]]
+    # printed into a pipe (a log): every column whole, not cut to 80 columns
+    piped = run([*GEMINI, "inspect", "--run-id", run_id], env={**os.environ, "COLUMNS": "80"})
+    header = next(line for line in piped.stdout.splitlines() if "rank" in line)
+    assert re.findall(r"\w+", header) == ["run", "rank", "copy", "slot", "state", "step",
+                                           "tensors", "data", "size", "check"], piped.stdout
+    assert piped.stdout.count("COMMITTED") == 2 and re.search(r" \d+\.\d KiB ", piped.stdout)
     # An empty file and a directory under slot names: each reported, none hides the rest.
     empty = memory.shm_dir() / memory.slot_name(supervisor.owner.prefix, 7, 0)
     folder = memory.shm_dir() / memory.slot_name(supervisor.owner.prefix, 7, 1)

@@ -52,14 +52,31 @@ def test_cli_json_without_state_bytes() -> None:
 
 
 def test_cli_human() -> None:
-    done = run([*GEMINI, "plan", "--nodes", "16", "--replicas", "2", "--state-bytes", "2GiB"],
-               timeout=60)
+    done = run([*GEMINI, "plan", "--nodes", "16", "--replicas", "2", "--state-bytes", "2GiB",
+                "--groups"], timeout=60)
     assert done.returncode == 0, done.output
     assert "93.3%" in done.stdout and "14/15" in done.stdout
     assert "8.0 GiB" in done.stdout  # 2 slots x 2 copies x 2 GiB
     assert "14 -> 15" in done.stdout and "group" in done.stdout
     three = run([*GEMINI, "plan", "--nodes", "16", "--failures", "3"], timeout=60)
     assert three.returncode == 0 and "80.0%" in three.stdout
+
+
+def test_cli_human_summary_first_and_the_units_it_read() -> None:
+    """A large plan prints its answer in a few lines (the groups on request); the size it
+    read is printed in bytes, decimal and binary units: GB counts in 1000s, G in 1024s."""
+    done = run([*GEMINI, "plan", "--nodes", "64", "--state-bytes", "14GB"], timeout=60)
+    assert done.returncode == 0, done.output
+    lines = done.stdout.splitlines()
+    assert len(lines) == 5 and "98.4%" in lines[1] and "->" not in done.stdout, done.stdout
+    assert "--groups" in lines[-1] and "52.2 GiB" in lines[2]
+    assert "14,000,000,000 bytes = 14.00 GB = 13.0 GiB" in done.stdout
+    binary = run([*GEMINI, "plan", "--nodes", "64", "--state-bytes", "14G"], timeout=60)
+    assert "15,032,385,536 bytes = 15.03 GB = 14.0 GiB" in binary.stdout, binary.stdout
+    table = run([*GEMINI, "plan", "--nodes", "64", "--groups"], timeout=60)
+    assert table.stdout.index("98.4%") < table.stdout.index("62 -> 63"), table.stdout
+    small = run([*GEMINI, "plan", "--nodes", "4"], timeout=60)
+    assert "2 -> 3" in small.stdout  # a few hosts: the table by default
 
 
 @pytest.mark.parametrize("args,message", [
