@@ -45,6 +45,9 @@ _GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--standby/--no-standby",), "standby",
      "Keep a standby interpreter per worker with torch imported, for fast restarts.  "
      "[default: standby]"),
+    (("--preload",), "preload",
+     "Modules (comma-separated) the standbys import before they wait, besides torch and the "
+     "installed packages the run's workers imported, e.g. your own package.  [default: none]"),
     (("--replicas",), "replicas",
      "Copies of each host's checkpoint in CPU memory, its own included; 1 turns "
      "replication to peer hosts off.  [default: 2]"),
@@ -89,7 +92,8 @@ _METAVARS = {
     "run_root": "DIR", "store": "URL", "store_cacert": "FILE", "store_cert": "FILE",
     "store_key": "FILE", "store_user": "USER", "store_password_file": "FILE",
     "host_ttl": "SECONDS", "heartbeat_timeout": "SECONDS", "store_timeout": "SECONDS",
-    "hang_timeout": "SECONDS", "replicas": "M", "replication_addr": "HOST[:PORT]",
+    "hang_timeout": "SECONDS", "preload": "MODULE[,MODULE...]", "replicas": "M",
+    "replication_addr": "HOST[:PORT]",
     "secret_file": "FILE", "replicate_every": "N", "replication_rate": "MB_PER_S",
     "persist_dir": "DIR", "persist_every": "N|Ts", "persist_keep": "N",
     "exit_grace": "SECONDS", "on_divergence": "{rollback,stop,warn}",

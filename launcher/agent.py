@@ -257,7 +257,7 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
     from launcher.health import HealthService
     from launcher.rendezvous import drop_gone_nodes
     from launcher.slots import SlotOwner
-    from launcher.standby import StandbyService
+    from launcher.standby import ENV_PRELOAD, StandbyService
     from launcher.store import open_store, watch_outages
 
     run_dir = run_directory(config.run_root, launch_config.run_id)
@@ -298,6 +298,8 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
                 services.insert(0, heartbeat)  # closes first: no pings of leaving hosts
         events.add_sink(coordination.record_event)
         if config.standby:
+            if config.preload:  # read by the standbys (launcher.standby.warm_recorded)
+                os.environ[ENV_PRELOAD] = config.preload
             standbys = StandbyService(launch_config.nproc_per_node, entry_args,
                                       progressed=health.progressed)
             services.append(standbys)

@@ -34,6 +34,7 @@ OnDivergence = Literal["rollback", "stop", "warn"]
 
 _NNODES = re.compile(r"^\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 _NPROC_NAMES = ("auto", "cpu", "gpu", "xpu")
+_MODULE = r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*"  # a module name, as import takes it
 _STD_SPEC = re.compile(r"^([0-3])$|^(\d+:[0-3])(,\d+:[0-3])*$")
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -146,6 +147,9 @@ class RunConfig:
     after which the host's workers are killed and restarted (0: no hang detection)."""
     standby: bool = dataclasses.field(default=True, metadata={"gemini": True})
     """Keep one interpreter per local rank with torch imported, so a restart skips start-up."""
+    preload: str = dataclasses.field(default="", metadata={"gemini": True})
+    """Modules (comma-separated) a standby imports before it waits, besides torch and the
+    installed packages the workers of the run imported (its own packages, say)."""
     replicas: int = dataclasses.field(default=2, metadata={"gemini": True})
     """Copies of each host's checkpoint kept in CPU memory, its own included (1: no
     replication to peer hosts)."""
@@ -234,6 +238,10 @@ class RunConfig:
             if not _STD_SPEC.match(value):
                 raise ConfigError(f"{name}={value!r}: expected 0-3 or 'rank:N,...' like '0:1,1:2'",
                                   field=name)
+        if self.preload and not re.fullmatch(rf"{_MODULE}(,{_MODULE})*", self.preload):
+            raise ConfigError(f"preload={self.preload!r}: expected module names "
+                              "separated by commas, like 'mypkg.model,mypkg.data'",
+                              field="preload")
         if self.local_ranks_filter and not re.fullmatch(r"\d+(,\d+)*", self.local_ranks_filter):
             raise ConfigError(
                 f"local_ranks_filter={self.local_ranks_filter!r}: expected comma-separated integers",

@@ -68,6 +68,7 @@ from launcher.contract import (
     ENV_PREFIX,
     ENV_RESTORE_RESHARD,
     ENV_RESTORE_STEP,
+    ENV_RUN_DIR,
     ENV_SOCKET,
     ENV_SUPERVISOR_PID,
 )
@@ -352,10 +353,30 @@ class Checkpointer:
                 self._group = None
             # The first save encodes here: a value it cannot save fails this call.
             encoded = self._encode(state)
+            self._record_imports()
         done = threading.Event()
         self._pending = done
         self._copier(ready is None).submit(
             lambda: self._copy(index, step, state, encoded, ready), done)
+
+    @staticmethod
+    def _record_imports() -> None:
+        """Once past its first step, local rank 0 lists the modules the worker imported
+        for the standbys that may replace it (``launcher.standby.record_imports``), from
+        a thread: the loop goes on."""
+        run_dir = os.environ.get(ENV_RUN_DIR, "")
+        if not run_dir or os.environ.get("LOCAL_RANK", "0") != "0":
+            return
+
+        def record() -> None:
+            from launcher.standby import record_imports
+
+            try:
+                record_imports(run_dir)
+            except OSError as exc:
+                logger.debug("gemini: could not record the imports: %s", exc)
+
+        threading.Thread(target=record, name="gemini-imports", daemon=True).start()
 
     def _copier(self, idle: bool | None = None) -> CopyWorker:
         """The background copy thread, started on first use: on the CPU it takes only idle

@@ -30,6 +30,8 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
+from launcher.contract import ENV_RUN_DIR
+
 logger = logging.getLogger(__name__)
 
 
@@ -350,6 +352,84 @@ WARM_MODULES = ("torch", "torch._dynamo", "torch.optim", "torch.distributed",
                 "torch.nn.parallel", "launcher.hook", "launcher.prefetch")
 
 
+#: The file in the run's directory where a worker (local rank 0), once past its first save,
+#: lists the modules it imported from the installed packages and the standard library, in
+#: import order, each with the file it came from: a framework (transformers, Lightning,
+#: accelerate) imports for seconds, and a standby that replaces the worker imports the
+#: same modules before it waits (:func:`warm_recorded`).
+IMPORTS_FILE = "imports.json"
+#: Modules a standby imports too, comma-separated (``gemini run --preload``): the user's
+#: own packages, which are not recorded (they live outside the installed packages).
+ENV_PRELOAD = "GEMINI_PRELOAD"
+_IMPORTS_LIMIT = 4 << 20  # bytes of IMPORTS_FILE a standby reads
+
+
+def record_imports(run_dir: str) -> None:
+    """Write :data:`IMPORTS_FILE` into ``run_dir`` for this process's modules (atomically:
+    a standby reads the whole list or the previous one). Only modules whose file lies
+    under the interpreter's library directories are listed: a module found on the
+    script's own path would mean something else to a standby elsewhere."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    roots = tuple({os.path.join(form(paths[key]), "")
+                   for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths
+                   for form in (os.path.abspath, os.path.realpath)})
+    found = [[name, origin] for name, module in list(sys.modules.items())
+             if name != "__main__" and isinstance(origin := getattr(module, "__file__", None), str)
+             and origin.startswith(roots)]
+    path = os.path.join(run_dir, IMPORTS_FILE)
+    partial = f"{path}.{os.getpid()}"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        os.write(fd, json.dumps({"modules": found}).encode())
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
+
+
+def warm_recorded(job_arrived: Callable[[], bool]) -> int:
+    """Import the modules of ``$GEMINI_PRELOAD``, then those a worker of this run recorded
+    (:data:`IMPORTS_FILE`), until ``job_arrived()``; returns how many it imported. A
+    recorded module is imported only where this interpreter finds it at the file the
+    worker loaded it from, and never through a package it skipped; any failure skips
+    that module (the worker imports what it needs itself)."""
+    import importlib
+    import importlib.util
+
+    wanted: list[tuple[str, str | None]] = [
+        (name.strip(), None) for name in os.environ.get(ENV_PRELOAD, "").split(",") if name.strip()]
+    run_dir = os.environ.get(ENV_RUN_DIR, "")
+    if run_dir:
+        from launcher.files import read_user_file
+
+        try:
+            data = read_user_file(os.path.join(run_dir, IMPORTS_FILE), "import list",
+                                  _IMPORTS_LIMIT)
+            wanted += [(str(name), str(origin)) for name, origin
+                       in json.loads(data)["modules"]] if len(data) <= _IMPORTS_LIMIT else []
+        except Exception:  # none recorded yet, or unreadable: a warm-up only
+            logger.debug("standby: no import list in %s", run_dir, exc_info=True)
+    imported = 0
+    for name, origin in wanted:
+        if job_arrived():
+            break
+        parent = name.rpartition(".")[0]
+        if name in sys.modules or (origin is not None and parent and parent not in sys.modules):
+            continue  # done, or its package was skipped: not through the child
+        try:
+            if origin is not None:
+                spec = importlib.util.find_spec(name)
+                if spec is None or spec.origin != origin:
+                    continue
+            importlib.import_module(name)
+            imported += 1
+        except Exception:
+            logger.debug("standby could not pre-import %s", name, exc_info=True)
+    return imported
+
+
 STANDBY_NICE = 10
 """The niceness a standby imports at: training keeps the CPU it needs (a GPU host has
 cores to spare, and its standbys are ready in seconds either way)."""
@@ -447,15 +527,19 @@ def main() -> None:
     job_fd = int(sys.argv[1])
     if sys.argv[2:3] == ["polite"]:  # this host's workers train: import without slowing them
         _be_polite(job_fd)
+    def job_arrived() -> bool:
+        # The job is here (the first start of a run, when the standby was started a
+        # moment ago): run it now and let it import what it needs itself.
+        return bool(select.select([job_fd], [], [], 0)[0])
+
     for module in WARM_MODULES:
-        if select.select([job_fd], [], [], 0)[0]:
-            # The job is here already (the first start of a run, when the standby was
-            # started a moment ago): run it now and let it import what it needs itself.
+        if job_arrived():
             break
         try:
             importlib.import_module(module)
         except Exception:  # a warm-up only: the worker will import what it needs itself
             logger.debug("standby could not pre-import %s", module, exc_info=True)
+    warm_recorded(job_arrived)
 
     if len(sys.argv) > 3 and sys.argv[3].isdigit():  # tell the supervisor: ready
         ready = int(sys.argv[3])

@@ -11,7 +11,18 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import GEMINI, SCRIPTS, TORCHRUN, env_with, events, free_port, kill_tree, run, start
+from helpers import (
+    GEMINI,
+    SCRIPTS,
+    TORCHRUN,
+    env_with,
+    events,
+    free_port,
+    kill_tree,
+    poll,
+    run,
+    start,
+)
 
 # Values that differ between any two launches of the same command, even of torchrun itself.
 PER_LAUNCH = {"TORCHELASTIC_RUN_ID", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
@@ -288,6 +299,43 @@ def test_a_standby_that_dies_is_replaced_at_once(tmp_path: Path) -> None:
     finally:
         kill_tree(proc.pid)
         proc.communicate(timeout=30)
+
+
+def test_a_standby_imports_what_the_workers_imported(tmp_path: Path) -> None:
+    """A worker past its first save lists the installed modules it imported; the standby
+    started after it imports them (and the ``--preload`` ones) before it waits, so the
+    worker it becomes finds them imported: a framework restarts without its imports."""
+    proc = start([*GEMINI, "run", "--nproc-per-node", "1", "--max-restarts", "1",
+                  "--preload", "xml.dom.minidom", str(SCRIPTS / "imports_probe.py")],
+                 env=env_with(tmp_path))
+    try:
+        deadline = time.monotonic() + 120
+        workers: set[int] = set()
+        while not workers and time.monotonic() < deadline:
+            starts = [e for e in events(tmp_path / "runs") if e["event"] == "start"]
+            workers = {int(w["pid"]) for e in starts for w in e["workers"]}
+            time.sleep(0.1)
+        listed = poll(lambda: list((tmp_path / "runs").glob("*/imports.json")), 60,
+                      "the import list")
+        modules = dict(json.loads(listed[0].read_text())["modules"])
+        assert modules["yaml"].endswith("__init__.py") and "xml.dom.minidom" not in modules
+        assert not [name for name in modules if name.startswith("imports_probe")]
+
+        def idle_standby() -> bool:
+            standbys = [psutil.Process(pid) for pid in _standbys(proc.pid, workers)]
+            for standby in standbys:
+                standby.cpu_percent()
+            time.sleep(0.5)
+            return len(standbys) == 1 and standbys[0].cpu_percent() < 5
+
+        poll(idle_standby, 120, "a standby done importing")
+        os.kill(workers.pop(), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == 0, out[-3000:]
+    assert "attempt=0 yaml=False minidom=False" in out, out[-3000:]
+    assert "attempt=1 yaml=True minidom=True" in out, out[-3000:]
 
 
 def test_a_standby_says_when_it_is_ready() -> None:

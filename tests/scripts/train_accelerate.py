@@ -15,11 +15,13 @@ Prints "resume rank=R start=S" (S: the first step this attempt runs); rank 0 pri
 """
 
 import argparse
+import json
 import os
 import signal
 import sys
 import time
 
+import restart_stamps
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
@@ -61,6 +63,11 @@ PER_EPOCH = len(data)
 ckpt = Checkpointer(extra={"accelerator": accelerator_state(accelerator)}
                     if args.mode == "gemini" else {})
 start = ckpt.restore()
+saved = os.path.join(args.output_dir, "step.json") if args.output_dir else ""
+if args.mode == "disk" and attempt > 0 and os.path.exists(saved):  # resume from the disk
+    accelerator.load_state(args.output_dir)
+    with open(saved) as f:
+        start = json.load(f)["step"] + 1
 print(f"resume rank={rank} start={start}", flush=True)
 losses = {}
 times: list[float] = []
@@ -81,9 +88,15 @@ while step < STEPS:
             ckpt.save(step)
         elif args.mode == "disk":
             accelerator.save_state(args.output_dir)
+            if rank == 0:
+                with open(saved + ".new", "w") as f:
+                    json.dump({"step": step}, f)
+                os.replace(saved + ".new", saved)
         times.append(time.perf_counter() - began)
+        restart_stamps.step_done(rank)
         if kill == (rank, step) and attempt == 0:
             ckpt.wait()
+            restart_stamps.killed()
             os.kill(os.getpid(), signal.SIGKILL)
         step += 1
         if step == STEPS:

@@ -16,6 +16,7 @@ import random
 import signal
 import time
 
+import restart_stamps
 import torch
 import torch.distributed as dist
 
@@ -156,11 +157,14 @@ for step in range(start, args.steps):
             newest = ckpt._segments[ckpt._newest]
             newest.view[memory.HEADER_SIZE + 100] ^= 0x10
         stop = (rank, step, "stop", attempt) in kills
+        if not stop:
+            restart_stamps.killed()
         os.kill(os.getpid(), signal.SIGSTOP if stop else signal.SIGKILL)
     if copy_kill_steps and step in copy_kill_steps:
         ckpt.wait()  # the copy thread kills the process before this returns
     if rank == 0:
         print(f"step {step} loss {loss.item():.6f}", flush=True)
+    restart_stamps.step_done(rank)
     if args.sleep:
         time.sleep(args.sleep)
 

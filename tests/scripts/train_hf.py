@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 
+import restart_stamps
 import torch
 from transformers import (
     GPT2Config,
@@ -74,8 +75,13 @@ class Probe(TrainerCallback):
         if args.kill and attempt == 0:
             who, step = map(int, args.kill.split(":"))
             if who == rank and state.global_step == step:
-                checkpoints.checkpointer.wait()  # step's save is committed
+                if args.mode == "gemini":
+                    checkpoints.checkpointer.wait()  # step's save is committed
+                restart_stamps.killed()
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_step_end(self, args_, state, control, **kwargs):
+        restart_stamps.step_done(rank)
 
 
 training = TrainingArguments(
@@ -92,7 +98,8 @@ trainer = Trainer(model=model, args=training, train_dataset=Samples(), callbacks
 if args.mode == "gemini":
     checkpoints = TrainerCheckpoints()
     checkpoints.attach(trainer)
-trainer.train()
+# disk: a restart resumes from the Trainer's newest checkpoint in --output-dir
+trainer.train(resume_from_checkpoint=True if args.mode == "disk" and attempt > 0 else None)
 if rank == 0:
     steps = sorted(probe.times)
     print(f"median_step_ms={1e3 * steps[len(steps) // 2]:.2f}", flush=True)

@@ -23,6 +23,7 @@ import sys
 import time
 
 import lightning.pytorch as pl
+import restart_stamps
 import torch
 
 from launcher.integrations.lightning import GeminiCheckpoints
@@ -83,11 +84,14 @@ class Probe(pl.Callback):
         if args.kill and attempt == 0:  # GeminiCheckpoints saved the last step (it runs last)
             who, step = map(int, args.kill.split(":"))
             if who == rank and trainer.global_step == step:
-                checkpoints.checkpointer.wait()  # that step's save is committed
+                if args.mode == "gemini":
+                    checkpoints.checkpointer.wait()  # that step's save is committed
+                restart_stamps.killed()
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses[trainer.global_step] = outputs["loss"].item()
+        restart_stamps.step_done(rank)
 
 
 pl.seed_everything(0, verbose=False)  # the model's initial weights
@@ -99,13 +103,14 @@ if args.mode == "gemini":
     callbacks.append(checkpoints)
 elif args.mode == "disk":
     callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.output_dir,
-                                                  every_n_train_steps=1))
+                                                  every_n_train_steps=1, save_last=True))
 trainer = pl.Trainer(
     accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy="ddp",
     max_steps=args.steps, callbacks=[*callbacks, probe], deterministic=True,
     enable_checkpointing=args.mode == "disk", logger=False, enable_progress_bar=False,
     enable_model_summary=False, default_root_dir=args.output_dir or None)
-trainer.fit(model)
+# disk: a restart resumes from Lightning's last checkpoint in --output-dir
+trainer.fit(model, ckpt_path="last" if args.mode == "disk" and attempt > 0 else None)
 if rank == 0:
     steps = sorted(probe.times)
     print(f"median_step_ms={1e3 * steps[len(steps) // 2]:.2f}", flush=True)
