@@ -49,10 +49,13 @@ FRAMEWORKS: dict[str, list[str] | None] = {
         str(SCRIPTS / "train_lightning.py"), "--steps", STEPS, "--width", "1024"],
 }
 WARM_SECONDS = 3.0  # of training before the kill, at the least
+RESUME_LIMIT = 120.0  # seconds from the kill: a run not training again by then failed
 
 
-def restart_seconds(script: list[str], runner: str, package: Path | None) -> float:
-    """Kill -> rank 0's next completed step, in one run."""
+def restart_seconds(script: list[str], runner: str, package: Path | None) -> float | None:
+    """Kill -> rank 0's next completed step, in one run; None when it did not train again
+    within :data:`RESUME_LIMIT` (torchrun's restarted gloo workers can fail to connect,
+    and fail again)."""
     with tempfile.TemporaryDirectory() as tmp:
         env = dict(os.environ, GEMINI_RUN_ROOT=f"{tmp}/runs", PYTHONWARNINGS="ignore",
                    GEMINI_SHM_DIR=f"{tmp}/shm")
@@ -81,7 +84,7 @@ def restart_seconds(script: list[str], runner: str, package: Path | None) -> flo
 
 
 def _kill_and_time(proc: subprocess.Popen[bytes], script: str, log: Path,
-                   run_root: Path | None) -> float:
+                   run_root: Path | None) -> float | None:
     """``run_root``: gemini's (its standbys are waited for, its events name the workers)."""
     deadline = time.monotonic() + 600
     began: float | None = None
@@ -98,14 +101,14 @@ def _kill_and_time(proc: subprocess.Popen[bytes], script: str, log: Path,
     victim = _worker(proc.pid, script, run_root)
     killed = time.time()
     victim.kill()
-    while True:
+    while time.time() - killed < RESUME_LIMIT and proc.poll() is None:
         found = re.search(r"next_step at=([\d.]+)", log.read_text())
         if found:
             return float(found.group(1)) - killed
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{script}: no step after the restart:\n"
-                               f"{log.read_text()[-3000:]}")
         time.sleep(0.05)
+    print(f"  {script}: no step within {RESUME_LIMIT:.0f} s of the kill: "
+          f"{log.read_text()[-300:]!r}", flush=True)
+    return None
 
 
 def _standbys_idle(pid: int) -> bool:
@@ -152,7 +155,7 @@ def main() -> None:
     runners["torchrun, from its disk checkpoint"] = ("torchrun", None)
     frameworks = {k: v for k, v in FRAMEWORKS.items() if args.only.lower() in k.lower()}
     print(f"machine: {machine()}\nmedians of {args.repeat} runs\n", flush=True)
-    times: dict[tuple[str, str], list[float]] = {}
+    times: dict[tuple[str, str], list[float | None]] = {}
     for _ in range(args.repeat):
         for framework, script in frameworks.items():
             for name, (runner, package) in runners.items():
@@ -160,14 +163,18 @@ def main() -> None:
                     continue  # the loop's script keeps no checkpoint on disk
                 seconds = restart_seconds(script, runner, package)  # type: ignore[arg-type]
                 times.setdefault((framework, name), []).append(seconds)
-                print(f"  {framework} / {name}: {seconds:.2f} s", flush=True)
-    loop = statistics.median(times.get((next(iter(FRAMEWORKS)), "gemini run"), [0.0]))
+                print(f"  {framework} / {name}: "
+                      f"{'failed' if seconds is None else f'{seconds:.2f} s'}", flush=True)
+    loops = [t for t in times.get((next(iter(FRAMEWORKS)), "gemini run"), []) if t is not None]
+    loop = statistics.median(loops) if loops else None
     rows = []
     for (framework, name), values in times.items():
-        median = statistics.median(values)
-        rows.append([framework, name, f"{median:.2f} s",
-                     f"{median - loop:+.2f} s" if loop else "-"])
-    print(table(["script", "restarted by", "kill -> next step (median)",
+        done = [t for t in values if t is not None]
+        median = statistics.median(done) if done else None
+        rows.append([framework, name, "-" if median is None else f"{median:.2f} s",
+                     f"{len(done)} of {len(values)}",
+                     f"{median - loop:+.2f} s" if median is not None and loop else "-"])
+    print(table(["script", "restarted by", "kill -> next step (median)", "trained again",
                  "vs the loop under gemini run"], rows), flush=True)
 
 

@@ -41,12 +41,17 @@ FRAMEWORKS = {
 MODES = {
     "no checkpoint (torchrun)": ("torchrun", "none"),
     "gemini, every step (gemini run)": ("gemini", "gemini"),
+    "gemini's Checkpointer(model, optimizer) as in a hand-written loop (gemini run)": (
+        "gemini", "loop"),
     "the framework's own, to disk, every step (torchrun)": ("torchrun", "disk"),
 }
 
 
-def step_ms(script: list[str], launcher: str, mode: str) -> float:
-    """Rank 0's median step in one run."""
+def step_ms(script: list[str], launcher: str, mode: str) -> tuple[float, float | None]:
+    """Rank 0's median step in one run, and the median time a step waited for gemini (in
+    ``save()`` and for a copy: the Checkpointer's stall)."""
+    if mode == "loop" and "--app-state" in script:  # DCP: the model and optimizer given
+        script, mode = [a for a in script if a != "--app-state"], "gemini"
     with tempfile.TemporaryDirectory() as tmp:
         runner = (["-m", "gemini_cli", "run"] if launcher == "gemini"
                   else ["-m", "torch.distributed.run", "--standalone"])
@@ -58,7 +63,8 @@ def step_ms(script: list[str], launcher: str, mode: str) -> float:
         if done.returncode != 0 or found is None:
             raise RuntimeError(f"{script[0]} {mode} failed:\n{done.stdout[-2000:]}"
                                f"{done.stderr[-3000:]}")
-        return float(found.group(1))
+        stall = re.search(r"median_save_ms=([\d.]+)", done.stdout)
+        return float(found.group(1)), float(stall.group(1)) if stall else None
 
 
 def main() -> None:
@@ -68,17 +74,27 @@ def main() -> None:
     print(f"machine: {machine()}\nmedians of {args.repeat} runs\n", flush=True)
     times: dict[tuple[str, str], list[float]] = {
         (framework, mode): [] for framework in FRAMEWORKS for mode in MODES}
+    stalls: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.repeat):
         for framework, script in FRAMEWORKS.items():
             for mode, (launcher, flag) in MODES.items():
-                times[framework, mode].append(step_ms(script, launcher, flag))
+                ms, stall = step_ms(script, launcher, flag)
+                times[framework, mode].append(ms)
+                if stall is not None:
+                    stalls.setdefault((framework, mode), []).append(stall)
     rows = []
     for framework in FRAMEWORKS:
         base = statistics.median(times[framework, "no checkpoint (torchrun)"])
+        loop = stalls.get((framework, list(MODES)[2]))
         for mode in MODES:
             ms = statistics.median(times[framework, mode])
-            rows.append([framework, mode, f"{ms:.1f} ms", f"{ms / base:.2f}x"])
-    print(table(["framework", "checkpoint", "median step", "vs no checkpoint"], rows),
+            stall = stalls.get((framework, mode))
+            rows.append([framework, mode, f"{ms:.1f} ms", f"{ms / base:.2f}x",
+                         f"{statistics.median(stall):.2f} ms" if stall else "-",
+                         f"{statistics.median(stall) / statistics.median(loop):.2f}x"
+                         if stall and loop else "-"])
+    print(table(["framework", "checkpoint", "median step", "vs no checkpoint",
+                 "gemini's stall per step", "vs Checkpointer(model, optimizer)"], rows),
           flush=True)
 
 

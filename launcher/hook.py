@@ -92,7 +92,7 @@ _warned_inactive = False
 _MODULE = torch.nn.Module
 
 
-def _model_state(model: torch.nn.Module) -> dict[str, Any]:
+def model_state(model: torch.nn.Module) -> dict[str, Any]:
     """``model.state_dict(keep_vars=True)`` with its tensors that are not parameters (buffers)
     cloned: parameters change only in the optimizer step, which waits for the copy;
     buffers (batch-norm statistics, ...) change in forward, so they are copied now.
@@ -152,6 +152,12 @@ def _after_first_step(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None
         return None
     after["param_groups"] = optimizer.state_dict()["param_groups"]
     return after
+
+
+#: Bytes below which a tensor of an ``extra`` value that is not a guarded tensor itself is
+#: copied at ``save`` without asking whether it views one: a copy of a few KiB costs less
+#: than finding the storages of every parameter and optimizer state.
+_CLONE_BELOW = 64 << 10
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -443,7 +449,7 @@ class Checkpointer:
     def _capture(self) -> dict[str, Any]:
         state: dict[str, Any] = {"rng": rng.capture(self._rng)}
         if self.model is not None:
-            state["model"] = _model_state(self.model)  # buffers copied, parameters not
+            state["model"] = model_state(self.model)  # buffers copied, parameters not
         if self.optimizer is not None:
             optimizer = self.optimizer.state_dict()
             # The thread encodes the state later; schedulers and loops change the groups
@@ -452,16 +458,29 @@ class Checkpointer:
                 optimizer["param_groups"] = clone_tensors(optimizer["param_groups"])
             state["optimizer"] = optimizer
         extra: dict[str, Any] = {}
-        guarded: set[int] | None = None  # found at the first tensor of an extra value
+        # The tensors that change only in an optimizer step, found at the first tensor of
+        # an extra value: their ids (a parameter or optimizer state handed over as itself)
+        # and, when a large tensor is not one of them, their storages (a view of one).
+        guarded: list[torch.Tensor] | None = None
+        ids: set[int] = set()
+        storages: set[int] | None = None
 
-        def guarded_storage(tensor: torch.Tensor) -> bool:
-            return guarded is not None and _storage(tensor) in guarded
+        def is_guarded(tensor: torch.Tensor) -> bool:
+            nonlocal storages
+            if id(tensor) in ids:
+                return True
+            if tensor.nbytes < _CLONE_BELOW:
+                return False  # copied at once: cheaper than looking up its storage
+            if storages is None:
+                storages = {_storage(t) for t in guarded or ()}
+            return _storage(tensor) in storages
 
         for key, value in self.extra.items():
             tree = value.state_dict() if _stateful(value) else value
             if guarded is None and _has_tensors(tree):
-                guarded = self._guarded_storages()
-            extra[key] = clone_tensors(tree, keep=None if not guarded else guarded_storage)
+                guarded = self._guarded()
+                ids = {id(t) for t in guarded}
+            extra[key] = clone_tensors(tree, keep=is_guarded if guarded else None)
         state["extra"] = extra
         return state
 
@@ -492,9 +511,9 @@ class Checkpointer:
                     continue  # (accelerate's): the optimizer it wraps is found too
                 self._waiting.append(optimizer)
 
-    def _guarded_storages(self) -> set[int]:
-        """The storages that change only in an optimizer step, which waits for the copy:
-        the parameters and optimizer states of the hooked optimizers, and ``model``'s
+    def _guarded(self) -> list[torch.Tensor]:
+        """The tensors that change only in an optimizer step, which waits for the copy: the
+        parameters and optimizer states of the hooked optimizers, and ``model``'s
         parameters."""
         tensors: list[torch.Tensor] = []
         if self.model is not None:
@@ -504,7 +523,7 @@ class Checkpointer:
                 tensors.extend(group["params"])
             for per_param in optimizer.state.values():
                 tensors.extend(v for v in per_param.values() if isinstance(v, torch.Tensor))
-        return {_storage(t) for t in tensors}
+        return tensors
 
     def _load(self, segment: memory.Segment, meta: dict[str, Any], step: int,
               prefetched: dict[int, torch.Tensor]) -> None:

@@ -35,7 +35,6 @@ refused.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import random
 import shutil
@@ -45,7 +44,7 @@ from typing import Any
 
 import torch
 
-from launcher.hook import Checkpointer
+from launcher.hook import Checkpointer, model_state
 
 WEIGHTS = "pytorch_model.bin"
 OPTIMIZER = "optimizer.pt"
@@ -61,29 +60,24 @@ class _TrainerSnapshot:
         self.trainer: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.loaded: dict[str, Any] | None = None
-        self._history: list[str] = []  # the log history's entries, encoded once each
+        self._history = _JsonList()
 
     def state_dict(self) -> dict[str, Any]:
+        """The Trainer's checkpoint but its random states: the Checkpointer saves those
+        itself at the same moment and sets them again at ``restore()``, where the
+        resume writes them in the Trainer's format (``_rng_states``)."""
         trainer = self.trainer
         if trainer is None or trainer.optimizer is None or trainer.lr_scheduler is None:
             return {}  # before train() made them
+        history, length = self._history.update(trainer.state.log_history)
         return {
-            "model": trainer.model.state_dict(),
+            "model": model_state(trainer.model),  # its parameters themselves
             "optimizer": trainer.optimizer.state_dict(),
             "scheduler": trainer.lr_scheduler.state_dict(),
             "trainer_state": json.dumps(_trainer_state(trainer)),
-            "log_history": self._log_history(trainer.state.log_history),
-            "rng": _bytes_tensor(_rng_states(trainer)),
+            "log_history": history,
+            "log_history_bytes": length,
         }
-
-    def _log_history(self, history: list[dict[str, Any]]) -> torch.Tensor:
-        """The log history as JSON, in a tensor of bytes; each entry is encoded once (the
-        history grows by a few entries a step, and a long run holds many)."""
-        if len(history) < len(self._history):  # a resume started it over
-            self._history = []
-        self._history += [json.dumps(entry) for entry in history[len(self._history):]]
-        text = ("[" + ",".join(self._history) + "]").encode()
-        return torch.frombuffer(bytearray(text), dtype=torch.uint8)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded = state
@@ -140,9 +134,11 @@ class TrainerCheckpoints:
         directory; its path, or None on a fresh start."""
         if self.checkpointer.restore() == 0 or self._snapshot.loaded is None:
             return None
+        states = _rng_states(trainer)  # as restore() set them: the saved ones
         state, self._snapshot.loaded = self._snapshot.loaded, None
         trainer_state = json.loads(state["trainer_state"])
-        trainer_state["log_history"] = json.loads(state["log_history"].numpy().tobytes())
+        history = state["log_history"][:state["log_history_bytes"]]
+        trainer_state["log_history"] = json.loads(history.numpy().tobytes())
         self._last = trainer_state["global_step"]
         shm = Path("/dev/shm")
         out = Path(tempfile.mkdtemp(prefix="gemini-hf-resume-",
@@ -154,7 +150,7 @@ class TrainerCheckpoints:
         (out / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
         rng_name = (f"rng_state_{trainer.args.process_index}.pth" if trainer.args.world_size > 1
                     else "rng_state.pth")
-        (out / rng_name).write_bytes(state["rng"].numpy().tobytes())
+        torch.save(states, out / rng_name)
         return str(out)
 
 
@@ -201,8 +197,37 @@ def _rng_states(trainer: Any) -> dict[str, Any]:
     return states
 
 
-def _bytes_tensor(value: Any) -> torch.Tensor:
-    """``value`` as ``torch.save`` writes it, in a tensor of bytes."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+class _JsonList:
+    """A growing list of JSON-encodable entries (the log history) as a JSON array in a
+    tensor of bytes, each entry encoded once: the history grows by a few entries a step
+    and a long run holds many. The tensor keeps its size until it is full (then doubles),
+    so the Checkpointer's slot layout stays as it is from one save to the next; the bytes
+    past the array's length are not part of it. A save changes the tensor only after
+    the previous save's copy is done (``Checkpointer.save`` waits for it first)."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(4096, dtype=torch.uint8)
+        self._buffer[0] = ord("[")
+        self._used = 1  # bytes of "[e1,e2,..." written
+        self._entries = 0
+
+    def update(self, entries: list[Any]) -> tuple[torch.Tensor, int]:
+        """The buffer and the length of the array holding ``entries`` (the earlier ones
+        as before; a shorter list starts over)."""
+        if len(entries) < self._entries:  # a resume started it over
+            self._used, self._entries = 1, 0
+        for entry in entries[self._entries:]:
+            self._append(("," if self._entries else "") + json.dumps(entry))
+            self._entries += 1
+        self._buffer[self._used] = ord("]")  # overwritten by the next entry
+        return self._buffer, self._used + 1
+
+    def _append(self, text: str) -> None:
+        data = text.encode()
+        end = self._used + len(data)
+        if end + 1 > len(self._buffer):
+            bigger = torch.empty(max(end + 1, 2 * len(self._buffer)), dtype=torch.uint8)
+            bigger[:self._used] = self._buffer[:self._used]
+            self._buffer = bigger
+        self._buffer[self._used:end] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._used = end

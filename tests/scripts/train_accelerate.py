@@ -5,7 +5,9 @@ dropout (random state) and an LR schedule.
 
   --kill RANK:STEP   SIGKILL rank RANK once step STEP is committed (first attempt only)
   --out PATH         rank 0 writes the final weights and the losses by step
-  --mode MODE        gemini (default): in-memory checkpoints every step; none: without
+  --mode MODE        gemini (default): in-memory checkpoints every step; loop: a plain
+                     Checkpointer(model, optimizer) instead of the integration (the
+                     hand-written loop's cost, benchmarks); none: without
                      them; disk: accelerator.save_state every step instead
   --steps N, --width N  steps and hidden width (benchmarks)
   --sampler KIND     generator (default): the loader shuffles with a generator of its own;
@@ -25,6 +27,7 @@ import restart_stamps
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration, set_seed
+from save_cost import SaveCost
 
 from launcher import Checkpointer
 from launcher.integrations.accelerate import accelerator_state
@@ -32,7 +35,7 @@ from launcher.integrations.accelerate import accelerator_state
 p = argparse.ArgumentParser()
 p.add_argument("--kill", default="")
 p.add_argument("--out", default="")
-p.add_argument("--mode", choices=["gemini", "none", "disk"], default="gemini")
+p.add_argument("--mode", choices=["gemini", "loop", "none", "disk"], default="gemini")
 p.add_argument("--steps", type=int, default=12)
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--output-dir", default="")
@@ -60,8 +63,11 @@ data = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True,
 model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
 
 PER_EPOCH = len(data)
-ckpt = Checkpointer(extra={"accelerator": accelerator_state(accelerator)}
-                    if args.mode == "gemini" else {})
+ckpt = (Checkpointer(extra={"accelerator": accelerator_state(accelerator)})
+        if args.mode == "gemini" else
+        Checkpointer(model=accelerator.unwrap_model(model), optimizer=optimizer)
+        if args.mode == "loop" else Checkpointer())
+cost = SaveCost()
 start = ckpt.restore()
 saved = os.path.join(args.output_dir, "step.json") if args.output_dir else ""
 if args.mode == "disk" and attempt > 0 and os.path.exists(saved):  # resume from the disk
@@ -84,8 +90,9 @@ while step < STEPS:
         scheduler.step()
         optimizer.zero_grad()
         losses[step] = accelerator.reduce(loss.detach(), "mean").item()
-        if args.mode == "gemini":
+        if args.mode in ("gemini", "loop"):
             ckpt.save(step)
+            cost.step(ckpt)
         elif args.mode == "disk":
             accelerator.save_state(args.output_dir)
             if rank == 0:
@@ -102,6 +109,7 @@ while step < STEPS:
         if step == STEPS:
             break
 ckpt.close()
+cost.report(rank)
 if rank == 0:
     print(f"median_step_ms={1e3 * sorted(times)[len(times) // 2]:.2f}", flush=True)
 if rank == 0 and args.out:

@@ -34,6 +34,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from save_cost import SaveCost
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
@@ -120,6 +121,7 @@ if args.dump and start:
     dump(f"restored-{world}-{start - 1}.pt")
 kill = tuple(map(int, args.kill.split(":"))) if args.kill else None
 times: list[float] = []
+cost = SaveCost()
 
 
 def batches(start: int):
@@ -154,6 +156,7 @@ for step, x in batches(start):
         dump(f"saved-{world}-{step}.pt")
     if args.mode == "gemini":
         ckpt.save(step)
+        cost.step(ckpt)
     elif args.mode == "disk":
         dcp.save({"app": app_state}, checkpoint_id=args.output_dir)
     times.append(time.perf_counter() - began)
@@ -168,6 +171,7 @@ if args.report_slots:
 
     report(ckpt, args.steps - 1, model, opt)
 ckpt.close()
+cost.report(rank)
 if rank == 0 and times:
     print(f"median_step_ms={1e3 * sorted(times)[len(times) // 2]:.2f}", flush=True)
 full = full_state()

@@ -5,7 +5,9 @@
   --kill RANK:STEP   SIGKILL rank RANK once gemini committed global step STEP (first
                      attempt only)
   --out PATH         rank 0 writes the final weights and the logged losses (by step)
-  --mode MODE        gemini (default): in-memory checkpoints every step; none: without
+  --mode MODE        gemini (default): in-memory checkpoints every step; loop: a plain
+                     Checkpointer(model, optimizer) saved after each step instead of the
+                     integration (the hand-written loop's cost, benchmarks); none: without
                      them; disk: the Trainer's own checkpoint every step instead
   --n-embd, --n-layer  model size (benchmarks)
 Rank 0 prints "median_step_ms=X" at the end: the median wall time of a training step.
@@ -20,6 +22,7 @@ import time
 
 import restart_stamps
 import torch
+from save_cost import SaveCost
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -29,6 +32,7 @@ from transformers import (
     set_seed,
 )
 
+from launcher import Checkpointer
 from launcher.integrations.huggingface import TrainerCheckpoints
 
 p = argparse.ArgumentParser()
@@ -36,7 +40,7 @@ p.add_argument("--steps", type=int, default=12)
 p.add_argument("--kill", default="")
 p.add_argument("--out", default="")
 p.add_argument("--output-dir", required=True)
-p.add_argument("--mode", choices=["gemini", "none", "disk"], default="gemini")
+p.add_argument("--mode", choices=["gemini", "loop", "none", "disk"], default="gemini")
 p.add_argument("--n-embd", type=int, default=32)
 p.add_argument("--n-layer", type=int, default=2)
 args = p.parse_args()
@@ -63,9 +67,14 @@ class Probe(TrainerCallback):
     def __init__(self) -> None:
         self.began = 0.0
         self.times: list[float] = []
+        self.cost = SaveCost()
+        self.loop: Checkpointer | None = None  # --mode loop
 
     def on_train_begin(self, args_, state, control, **kwargs):
         print(f"resume rank={rank} from={state.global_step}", flush=True)
+        if args.mode == "loop":
+            self.loop = Checkpointer(model=kwargs["model"], optimizer=kwargs["optimizer"])
+            self.loop.restore()
 
     def on_step_begin(self, args_, state, control, **kwargs):
         now = time.perf_counter()
@@ -82,6 +91,10 @@ class Probe(TrainerCallback):
 
     def on_step_end(self, args_, state, control, **kwargs):
         restart_stamps.step_done(rank)
+        if self.loop is not None:
+            self.loop.save(state.global_step - 1)
+        self.cost.step(self.loop or (checkpoints.checkpointer if args.mode == "gemini"
+                                     else None))
 
 
 training = TrainingArguments(
@@ -100,6 +113,7 @@ if args.mode == "gemini":
     checkpoints.attach(trainer)
 # disk: a restart resumes from the Trainer's newest checkpoint in --output-dir
 trainer.train(resume_from_checkpoint=True if args.mode == "disk" and attempt > 0 else None)
+probe.cost.report(rank)
 if rank == 0:
     steps = sorted(probe.times)
     print(f"median_step_ms={1e3 * steps[len(steps) // 2]:.2f}", flush=True)

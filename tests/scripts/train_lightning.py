@@ -8,7 +8,9 @@ workers).
   --kill RANK:STEP   SIGKILL rank RANK once gemini committed global step STEP (first
                      attempt only)
   --out PATH         rank 0 writes the final weights and its losses by global step
-  --mode MODE        gemini (default): in-memory checkpoints every step; none: without
+  --mode MODE        gemini (default): in-memory checkpoints every step; loop: a plain
+                     Checkpointer(model, optimizer) saved after each batch instead of the
+                     integration (the hand-written loop's cost, benchmarks); none: without
                      them; disk: Lightning's own ModelCheckpoint every step instead
   --width N          hidden width (benchmarks)
   --output-dir DIR   where ModelCheckpoint writes (--mode disk)
@@ -25,14 +27,16 @@ import time
 import lightning.pytorch as pl
 import restart_stamps
 import torch
+from save_cost import SaveCost
 
+from launcher import Checkpointer
 from launcher.integrations.lightning import GeminiCheckpoints
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=16)
 p.add_argument("--kill", default="")
 p.add_argument("--out", default="")
-p.add_argument("--mode", choices=["gemini", "none", "disk"], default="gemini")
+p.add_argument("--mode", choices=["gemini", "loop", "none", "disk"], default="gemini")
 p.add_argument("--width", type=int, default=32)
 p.add_argument("--output-dir", default="")
 args = p.parse_args()
@@ -72,9 +76,14 @@ class Probe(pl.Callback):
         self.losses: dict[int, float] = {}
         self.began = 0.0
         self.times: list[float] = []
+        self.cost = SaveCost()
+        self.loop: Checkpointer | None = None  # --mode loop
 
     def on_train_start(self, trainer, pl_module):
         print(f"resume rank={rank} from={trainer.global_step}", flush=True)
+        if args.mode == "loop":
+            self.loop = Checkpointer(model=pl_module, optimizer=trainer.optimizers[0])
+            self.loop.restore()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         now = time.perf_counter()
@@ -92,6 +101,10 @@ class Probe(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses[trainer.global_step] = outputs["loss"].item()
         restart_stamps.step_done(rank)
+        if self.loop is not None:
+            self.loop.save(trainer.global_step - 1)
+        self.cost.step(self.loop or (checkpoints.checkpointer if args.mode == "gemini"
+                                     else None))
 
 
 pl.seed_everything(0, verbose=False)  # the model's initial weights
@@ -111,6 +124,7 @@ trainer = pl.Trainer(
     enable_model_summary=False, default_root_dir=args.output_dir or None)
 # disk: a restart resumes from Lightning's last checkpoint in --output-dir
 trainer.fit(model, ckpt_path="last" if args.mode == "disk" and attempt > 0 else None)
+probe.cost.report(rank)
 if rank == 0:
     steps = sorted(probe.times)
     print(f"median_step_ms={1e3 * steps[len(steps) // 2]:.2f}", flush=True)

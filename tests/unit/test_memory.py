@@ -59,7 +59,7 @@ def _drop_bias(module: torch.nn.Module, state: dict[str, Any], prefix: str, _: A
 @pytest.mark.parametrize("custom", ["none", "post_hook", "pre_hook", "extra_state",
                                     "instance_override"])
 def test_model_state_is_the_state_dict_torch_gives(custom: str) -> None:
-    """``hook._model_state`` reads plain modules' parameters and buffers itself: the same
+    """``hook.model_state`` reads plain modules' parameters and buffers itself: the same
     keys in the same order, the same parameters and copies of the buffers, as torch's
     ``state_dict(keep_vars=True)``, whatever a module customises."""
     shared = torch.nn.Linear(2, 2)
@@ -77,7 +77,7 @@ def test_model_state_is_the_state_dict_torch_gives(custom: str) -> None:
         inner.add_module("2", _WithExtraState(2, 2))
     elif custom == "instance_override":
         inner[1]._save_to_state_dict = lambda destination, prefix, keep_vars: None  # type: ignore[method-assign]
-    state = hook._model_state(model)
+    state = hook.model_state(model)
     assert calls == (["1.", "3."] if custom == "pre_hook" else [])
     expected = model.state_dict(keep_vars=True)
     assert list(state) == list(expected)
