@@ -237,6 +237,7 @@ class Checkpointer:
         self._pinned: dict[int, int] = {}
         self._closed = False
         self._group: list[int] | None = None  # the ranks that keep one copy between them
+        self._ddp: bool | None = None  # whether a DDP wraps the model (_wrapped_by_ddp)
         self._verified: dict[int, int] = {}  # rank -> seq of its slot verified at restore
         self._shares: tuple[Any, list[int], str] | None = None  # see _split
         self._heartbeat: memory.Segment | None = None
@@ -356,7 +357,7 @@ class Checkpointer:
         if not self._saved:
             self._saved = True
             if not self._group:  # the model may have been wrapped since restore() looked
-                self._group = None
+                self._group = self._ddp = None
             # The first save encodes here: a value it cannot save fails this call.
             encoded = self._encode(state)
             self._record_imports()
@@ -838,13 +839,22 @@ class Checkpointer:
         first = self.rank - int(os.environ.get("LOCAL_RANK", "0"))
         return list(range(first, first + int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
+    def _replicated(self) -> bool:
+        """Whether every data-parallel replica holds this rank's model and optimizer state
+        bit for bit: ``replicated``, else whether a DDP wraps the model (a scan of the
+        garbage collector's objects: once, and again at the first save)."""
+        if self.replicated is not None:
+            return self.replicated
+        if self._ddp is None:
+            self._ddp = _wrapped_by_ddp(self.model)
+        return self._ddp
+
     def _sharers(self) -> list[int]:
         """The ranks of this host that keep one copy of the replicated plain tensors
         between them (see ``replicated``); empty when each keeps its own."""
         if self._group is None:
             zero = type(self.optimizer).__name__ == "ZeroRedundancyOptimizer"
-            shared = not zero and (
-                self.replicated or (self.replicated is None and _wrapped_by_ddp(self.model)))
+            shared = not zero and self._replicated()
             ranks = self._host_ranks()
             self._group = ranks if shared and len(ranks) > 1 else []
         return self._group
@@ -916,8 +926,7 @@ class Checkpointer:
         under ZeroRedundancyOptimizer, and not in a state of DTensors; their checksums are
         compared between replicas (replica agreement, ``launcher.replication``)."""
         zero = type(self.optimizer).__name__ == "ZeroRedundancyOptimizer"
-        if zero or '"__dtensor__"' in tree or not (self.replicated or (
-                self.replicated is None and _wrapped_by_ddp(self.model))):
+        if zero or '"__dtensor__"' in tree or not self._replicated():
             return [False] * len(tensors)
         return [path.startswith("/optimizer/state/") or (
             path.startswith("/model/") and isinstance(t, torch.nn.Parameter))
