@@ -77,9 +77,13 @@ def restart_seconds(script: list[str], runner: str, package: Path | None) -> flo
         try:
             return _kill_and_time(proc, script[0], log, Path(tmp) / "runs"
                                   if runner == "gemini" else None)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+        finally:  # torchrun starts its workers in sessions of their own: every process
+            tree = [proc.pid]
+            with contextlib.suppress(psutil.Error):
+                tree += [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             proc.wait()
 
 
