@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from launcher.hook import model_state
+
 
 class AcceleratorState:
     """A ``Stateful`` over what ``accelerator.save_state`` would save (see the module)."""
@@ -44,7 +46,8 @@ class AcceleratorState:
         acc = self.accelerator
         scaler = getattr(acc, "scaler", None)
         return {
-            "models": [acc.unwrap_model(model).state_dict() for model in acc._models],
+            # their parameters themselves (the Checkpointer copies them in the background)
+            "models": [model_state(acc.unwrap_model(model)) for model in acc._models],
             "optimizers": [optimizer.state_dict() for optimizer in acc._optimizers],
             "schedulers": [scheduler.state_dict() for scheduler in acc._schedulers],
             "dataloaders": [loader.state_dict() if _stateful_loader(loader) else None
