@@ -48,10 +48,15 @@ def test_nnodes(value: str, expected: tuple[int, int]) -> None:
     {"nproc_per_node": "0"}, {"nproc_per_node": "many"}, {"max_restarts": -1},
     {"start_method": "thread"}, {"redirects": "5"}, {"rdzv_conf": "novalue"},
     {"module": True, "no_python": True}, {"local_ranks_filter": "0,a"},
+    {"preload": "a b"}, {"preload": "mypkg,"}, {"preload": "1pkg"}, {"preload": "a..b"},
 ])
 def test_invalid_values(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         RunConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_preload_takes_module_names() -> None:
+    assert RunConfig(preload="mypkg.model,_private,pkg2").preload == "mypkg.model,_private,pkg2"
 
 
 def test_file_unknown_key_suggests(tmp_path: Path) -> None:
