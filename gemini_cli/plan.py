@@ -148,7 +148,7 @@ def _render(report: dict[str, Any], probability: Fraction, show_groups: bool) ->
                       f"({parts})")
         # kB/MB/GB count in powers of 1000, K/M/G and KiB/MiB/GiB in 1024: say which it was
         console.print(f"one rank's checkpoint (--state-bytes): {report['state_bytes']:,} bytes "
-                      f"= {_decimal(report['state_bytes'])} = {_size(report['state_bytes'])}")
+                      f"= {_size(report['state_bytes'], 1000)} = {_size(report['state_bytes'])}")
     if not show_groups:
         console.print(f"placement groups: {groups} (--groups lists them and who holds whose "
                       "replicas)")
@@ -180,20 +180,12 @@ def _percent(p: Fraction) -> str:
     return text
 
 
-def _decimal(n: int) -> str:
-    """``n`` bytes in powers of 1000 (kB, MB, GB, TB)."""
+def _size(n: int, base: int = 1024) -> str:
+    """``n`` bytes in powers of 1024 (KiB, MiB, ...) or of 1000 (kB, MB, ...)."""
+    units = ("B", "KiB", "MiB", "GiB", "TiB") if base == 1024 else ("B", "kB", "MB", "GB", "TB")
     value = float(n)
-    for unit in ("B", "kB", "MB", "GB"):
-        if value < 1000:
-            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1000
-    return f"{value:.2f} TB"
-
-
-def _size(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover - the loop always returns
+    for unit in units:
+        if value < base or unit == units[-1]:
+            return f"{n} B" if unit == "B" else f"{value:.{1 if base == 1024 else 2}f} {unit}"
+        value /= base
+    raise AssertionError("unreachable")  # pragma: no cover - the loop always returns

@@ -407,8 +407,9 @@ def warm_recorded(job_arrived: Callable[[], bool]) -> int:
         try:
             data = read_user_file(os.path.join(run_dir, IMPORTS_FILE), "import list",
                                   _IMPORTS_LIMIT)
-            wanted += [(str(name), str(origin)) for name, origin
-                       in json.loads(data)["modules"]] if len(data) <= _IMPORTS_LIMIT else []
+            if len(data) > _IMPORTS_LIMIT:
+                raise ValueError("import list too long")
+            wanted += [(str(name), str(origin)) for name, origin in json.loads(data)["modules"]]
         except Exception:  # none recorded yet, or unreadable: a warm-up only
             logger.debug("standby: no import list in %s", run_dir, exc_info=True)
     imported = 0
@@ -527,6 +528,7 @@ def main() -> None:
     job_fd = int(sys.argv[1])
     if sys.argv[2:3] == ["polite"]:  # this host's workers train: import without slowing them
         _be_polite(job_fd)
+
     def job_arrived() -> bool:
         # The job is here (the first start of a run, when the standby was started a
         # moment ago): run it now and let it import what it needs itself.

@@ -17,8 +17,9 @@ other loaders are fast-forwarded with ``skip_first_batches``, as after
 ``Accelerator.load_state``), every prepared loader's epoch and the state its shuffling
 generator had when the epoch's order was drawn, the gradient scaler's, the objects
 registered with ``register_for_checkpointing``, and the accelerator's step; the
-Checkpointer adds the random states. ``restore`` loads them into the same objects. DeepSpeed and FSDP engines
-(accelerate's plugins) save their state their own way and are refused.
+Checkpointer adds the random states. ``restore`` loads them into the same objects.
+DeepSpeed and FSDP engines (accelerate's plugins) save their state their own way and are
+refused.
 """
 
 from __future__ import annotations

@@ -202,8 +202,8 @@ class _JsonList:
     tensor of bytes, each entry encoded once: the history grows by a few entries a step
     and a long run holds many. The tensor keeps its size until it is full (then doubles),
     so the Checkpointer's slot layout stays as it is from one save to the next; the bytes
-    past the array's length are not part of it. A save changes the tensor only after
-    the previous save's copy is done (``Checkpointer.save`` waits for it first)."""
+    past the array's length are not part of it. The Checkpointer copies it at ``save``
+    (it is no optimizer's), so the next entries may be written into it at once."""
 
     def __init__(self) -> None:
         self._buffer = torch.empty(4096, dtype=torch.uint8)

@@ -156,3 +156,21 @@ def test_a_spare_reserves_the_slots_of_the_ranks_it_may_take_over(tmp_path: Path
         for service, owner in ((running, running_owner), (spare, spare_owner)):
             service.close()
             owner.close()
+
+
+def test_status_lists_a_live_hosts_ranks_before_their_first_step(tmp_path: Path) -> None:
+    """Rows for every rank of a live host from its start (no step published yet: memory
+    None); a rank with a published step keeps it."""
+    from launcher.coordination import read_status
+    from launcher.store.embedded import EmbeddedStore
+
+    store = EmbeddedStore(tmp_path / "store.db")
+    try:
+        store.put("gemini/runs/r/hosts/h0", json.dumps({"ranks": [0, 1, True, "2"]}).encode())
+        store.put("gemini/runs/r/alive/h0", b"1")
+        store.put("gemini/runs/r/ranks/1", json.dumps({"host": "h0", "memory": 7}).encode())
+        store.put("gemini/runs/r/hosts/gone", json.dumps({"ranks": [5]}).encode())
+        ranks = read_status(store, "r").ranks
+        assert ranks == {0: {"host": "h0", "memory": None}, 1: {"host": "h0", "memory": 7}}
+    finally:
+        store.close()
