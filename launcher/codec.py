@@ -369,13 +369,16 @@ def clone_tensors(obj: Any, owned: frozenset[int] = frozenset(),
                   keep: Callable[[torch.Tensor], bool] | None = None) -> Any:
     """A copy of ``obj`` whose tensors own their memory (never alias a slot); tensors whose
     id is in ``owned`` own theirs already, and those ``keep`` accepts, are kept."""
+    if type(obj) in _SCALARS:  # the most common values: no call for them below
+        return obj
     if isinstance(obj, torch.Tensor):
         kept = id(obj) in owned or (keep is not None and keep(obj))
         return obj if kept else obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: clone_tensors(v, owned, keep) for k, v in obj.items()}
+        return {k: v if type(v) in _SCALARS else clone_tensors(v, owned, keep)
+                for k, v in obj.items()}
     if isinstance(obj, list):
-        return [clone_tensors(v, owned, keep) for v in obj]
+        return [v if type(v) in _SCALARS else clone_tensors(v, owned, keep) for v in obj]
     if isinstance(obj, tuple):
         return tuple(clone_tensors(v, owned, keep) for v in obj)
     return obj

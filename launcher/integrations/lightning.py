@@ -62,12 +62,15 @@ both or neither), and imports it only when ``GeminiCheckpoints`` is first used.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import importlib
 import logging
 import pickle
 import sys
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 
@@ -98,17 +101,91 @@ class _LightningSnapshot:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.live = False  # whether training runs: dump_checkpoint is complete then
         self.loaded: dict[str, Any] | None = None
+        self.loops: Callable[[], dict[str, Any]] | None = None  # see _LoopStates
 
     def state_dict(self) -> dict[str, Any]:
         if not self.live:
             return {}  # before the fit loop starts (the Checkpointer sizes its slots)
-        checkpoint = self.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        connector = self.trainer._checkpoint_connector
+        if self.loops is None:
+            self.loops = _LoopStates.checked(self.trainer)
+        connector._get_loops_state_dict = self.loops  # the same dict, faster
+        try:
+            checkpoint = connector.dump_checkpoint(weights_only=False)
+        finally:
+            connector.__dict__.pop("_get_loops_state_dict", None)
         return {key: value if key in _TENSOR_PARTS else _encodable(value)
                 for key, value in checkpoint.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded = {key: value if key in _TENSOR_PARTS else _decoded(value)
                        for key, value in state.items()} if state else None
+
+
+class _LoopStates:
+    """The Trainer's loops' state dict (``_CheckpointConnector._get_loops_state_dict``),
+    built as Lightning builds it, with each progress dataclass read field by field where
+    Lightning's ``dataclasses.asdict`` deep-copies every value: most of the time
+    ``dump_checkpoint`` takes. Used only where it gave exactly Lightning's dict at the
+    first save (:meth:`checked`); a loop or progress class that overrides ``state_dict``
+    is asked for its own."""
+
+    _NAMES = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
+
+    def __init__(self, trainer: Any) -> None:
+        package = _lightning()
+        self.trainer = trainer
+        self.loop = importlib.import_module(package.__name__ + ".loops.loop")._Loop
+        self.progress = importlib.import_module(
+            package.__name__ + ".loops.progress")._BaseProgress
+        self.fields: dict[type, tuple[str, ...]] = {}
+
+    @classmethod
+    def checked(cls, trainer: Any) -> Callable[[], dict[str, Any]]:
+        """An instance for ``trainer`` if it gives what Lightning gives, else Lightning's
+        own method."""
+        own = trainer._checkpoint_connector._get_loops_state_dict
+        try:
+            loops = cls(trainer)
+            if loops() == own():
+                return loops
+        except Exception as exc:  # any surprise: Lightning's own serves
+            logger.debug("gemini: Lightning's loop states are read its own way: %s", exc)
+        return cast("Callable[[], dict[str, Any]]", own)
+
+    def __call__(self) -> dict[str, Any]:
+        return {name: self._loop(getattr(self.trainer, name), {}, "") for name in self._NAMES}
+
+    def _loop(self, loop: Any, into: dict[str, Any], prefix: str) -> dict[str, Any]:
+        if type(loop).state_dict is not self.loop.state_dict:
+            loop.state_dict(into, prefix)
+            return into
+        into[prefix + "state_dict"] = loop.on_save_checkpoint()
+        for key, value in loop.__dict__.items():
+            if isinstance(value, self.progress):
+                into[prefix + key] = self._progress(value)
+            elif isinstance(value, self.loop):
+                self._loop(value, into, prefix + key + ".")
+        return into
+
+    def _progress(self, progress: Any) -> Any:
+        kind = type(progress)
+        if kind.state_dict is not self.progress.state_dict:
+            return progress.state_dict()
+        return self._fields(progress)
+
+    def _fields(self, value: Any) -> Any:
+        """``dataclasses.asdict(value)`` for dataclasses of numbers, strings and dataclasses."""
+        kind = type(value)
+        if kind in _LEAVES:
+            return value
+        names = self.fields.get(kind)
+        if names is None:
+            if not dataclasses.is_dataclass(value):
+                return copy.deepcopy(value)
+            names = self.fields[kind] = tuple(f.name for f in dataclasses.fields(value))
+        return {name: field if type(field := getattr(value, name)) in _LEAVES
+                else self._fields(field) for name in names}
 
 
 class _Checkpoints:
@@ -266,7 +343,8 @@ def _encodable(tree: Any) -> Any:
     if kind in _LEAVES or isinstance(tree, torch.Tensor):
         return tree
     if isinstance(tree, dict):  # a dict subclass comes back as a dict (as hparams are saved)
-        return {key: _encodable(value) for key, value in tree.items()}
+        return {key: value if type(value) in _LEAVES else _encodable(value)
+                for key, value in tree.items()}
     if kind is list or kind is tuple:
         return kind(_encodable(value) for value in tree)
     return {_PICKLED: pickle.dumps(tree)}

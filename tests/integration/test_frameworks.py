@@ -120,3 +120,49 @@ def test_a_lightning_trainer_resumes_from_memory(tmp_path: Path) -> None:
         assert sorted(got["weights"]) == sorted(expected["weights"])
         for key, tensor in expected["weights"].items():
             assert torch.equal(got["weights"][key], tensor), (step, key)
+
+
+def test_lightning_loop_states_are_read_as_lightning_reads_them() -> None:
+    """The integration reads the loops' progress field by field (``_LoopStates``): at
+    every step of a real fit, with a validation every 2 steps and a scheduler, its dict
+    equals Lightning's own, and the fast reader is the one in use (a fallback to
+    Lightning's slower one would pass every resume test unseen)."""
+    import lightning.pytorch as pl
+
+    from launcher.integrations.lightning import _LoopStates
+
+    seen: list[bool] = []
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch: list[torch.Tensor], index: int) -> None:
+            self.net(batch[0])
+
+        def configure_optimizers(self) -> object:
+            optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+            return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 2)]
+
+        def _loader(self) -> torch.utils.data.DataLoader:
+            data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+            return torch.utils.data.DataLoader(data, batch_size=4)
+
+        train_dataloader = val_dataloader = _loader
+
+    class Compare(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            fast = _LoopStates.checked(trainer)
+            seen.append(isinstance(fast, _LoopStates)
+                        and fast() == trainer._checkpoint_connector._get_loops_state_dict())
+
+    trainer = pl.Trainer(max_steps=6, val_check_interval=2, callbacks=[Compare()],
+                         accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Model())
+    assert seen == [True] * 6
