@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +14,17 @@ from launcher import memory
 from launcher.slots import find_leftovers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# Under pytest-xdist (tests/run.sh runs the suite in parallel) each worker has a
+# shared-memory base of its own (mode 1777, as /dev/shm), inherited by every gemini
+# process it starts: a test that checks what its runs left behind, or removes dead runs'
+# segments, sees only its own worker's.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and "GEMINI_SHM_DIR" not in os.environ:
+    _base = Path("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    os.environ["GEMINI_SHM_DIR"] = tempfile.mkdtemp(prefix=f"gemini-tests-{_WORKER}-", dir=_base)
+    os.chmod(os.environ["GEMINI_SHM_DIR"], 0o1777)  # as /dev/shm
+    atexit.register(shutil.rmtree, os.environ["GEMINI_SHM_DIR"], True)
 
 if os.environ.get("CI") == "true":  # CI replays the same examples; elsewhere they vary
     from hypothesis import settings

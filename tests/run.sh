@@ -13,7 +13,12 @@ if [ "$#" -gt 0 ] && { [ "$1" = unit ] || [ "$1" = integration ]; }; then
     set -- "tests/$1" "${@:2}"
 fi
 set +e
-"$VENV/bin/python" -m pytest --durations=60 "$@"
+# Two test processes (pytest-xdist; GEMINI_TEST_JOBS=N for more, 0 for one process): most
+# integration tests wait on heartbeats, leases and restarts, not on the CPU.
+JOBS="${GEMINI_TEST_JOBS:-2}"
+PARALLEL=()
+[ "$JOBS" != 0 ] && PARALLEL=(-n "$JOBS" --dist worksteal)
+"$VENV/bin/python" -m pytest "${PARALLEL[@]}" --durations=60 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
