@@ -58,6 +58,7 @@ from launcher.codec import (
     encode,
     is_dtensor,
     live_meshes,
+    local_shard,
     replica_ranks,
     reshard,
     slot_tensors,
@@ -162,8 +163,7 @@ _CLONE_BELOW = 64 << 10
 
 def _storage(tensor: torch.Tensor) -> int:
     """The address of the memory behind ``tensor`` (a DTensor's: its local shard's)."""
-    local = tensor.to_local() if is_dtensor(tensor) else tensor  # type: ignore[attr-defined]
-    return int(local.untyped_storage().data_ptr())
+    return int(local_shard(tensor).untyped_storage().data_ptr())
 
 
 def _members(obj: Any) -> list[Any]:

@@ -807,6 +807,31 @@ def test_sharded_state_outside_its_model_is_a_clear_error() -> None:
         codec.load_state(buf, meta)
 
 
+def test_a_dtensors_local_shard_is_the_one_torch_hands_out(tmp_path: Path) -> None:
+    """``codec.local_shard`` reads the shard a DTensor keeps (``_local_tensor``, torch's
+    own name) instead of calling ``to_local()``: the same memory, shape and values; a
+    save matches views of parameters by that memory."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        tensor = distribute_tensor(torch.arange(8.0).reshape(4, 2), mesh, [Shard(0)])
+        local = codec.local_shard(tensor)
+        # torch still keeps it there (else local_shard falls back to the slower call)
+        assert local is tensor._local_tensor
+        assert type(local) is torch.Tensor
+        assert local.untyped_storage().data_ptr() == tensor.to_local().untyped_storage().data_ptr()
+        assert torch.equal(local, tensor.to_local())
+        plain = torch.ones(2)
+        assert codec.local_shard(plain) is plain
+    finally:
+        dist.destroy_process_group()
+
+
 # -- a hostile user on the same host ------------------------------------------------------
 def test_an_unsafe_file_under_a_slot_name_is_left_alone(tmp_path: Any,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
