@@ -10,95 +10,7 @@ from typing import Any, NoReturn
 
 import click
 
-from launcher.config import DEFAULT_RUN_ROOT
-
-_GEMINI_OPTIONS: tuple[tuple[tuple[str, ...], str, str], ...] = (
-    (("--run-root", "--run_root"), "run_root",
-     "Directory holding one directory per run (events, state).  "
-     f"[default: {DEFAULT_RUN_ROOT}]"),
-    (("--store",), "store",
-     "Coordination store: etcd://HOST:PORT[,HOST:PORT...] or embedded:///PATH.  "
-     "[default: embedded, next to the run root]"),
-    (("--store-cacert", "--store_cacert"), "store_cacert",
-     "CA certificate of an etcd store (and etcd-v3 rendezvous) served over TLS."),
-    (("--store-cert", "--store_cert"), "store_cert",
-     "Client certificate for an etcd with --client-cert-auth (with --store-key)."),
-    (("--store-key", "--store_key"), "store_key", "Private key of --store-cert."),
-    (("--store-user", "--store_user"), "store_user",
-     "etcd user to authenticate as (with --store-password-file)."),
-    (("--store-password-file", "--store_password_file"), "store_password_file",
-     "File holding --store-user's password."),
-    (("--host-ttl", "--host_ttl"), "host_ttl",
-     "Seconds without a refresh of its lease in the store before a host counts as lost.  "
-     "[default: 10]"),
-    (("--heartbeat-timeout", "--heartbeat_timeout"), "heartbeat_timeout",
-     "Seconds a peer's supervisor may leave heartbeats unanswered before it is suspected; "
-     "a majority of suspecting hosts makes it lost.  0: leases alone decide.  [default: 1]"),
-    (("--store-timeout", "--store_timeout"), "store_timeout",
-     "Seconds an etcd store may stay unreachable while training goes on; past them the "
-     "workers stop, their checkpoints stay in memory, exit 3.  0: exit at once.  "
-     "[default: 60]"),
-    (("--hang-timeout", "--hang_timeout"), "hang_timeout",
-     "Seconds without an optimizer step or save in a worker's Checkpointer before the "
-     "host's workers count as hung and are restarted; 0 turns hang detection off.  "
-     "[default: 0]"),
-    (("--standby/--no-standby",), "standby",
-     "Keep a standby interpreter per worker with torch imported, for fast restarts.  "
-     "[default: standby]"),
-    (("--preload",), "preload",
-     "Modules (comma-separated) the standbys import before they wait, besides torch and the "
-     "installed packages the run's workers imported, e.g. your own package.  [default: none]"),
-    (("--replicas",), "replicas",
-     "Copies of each host's checkpoint in CPU memory, its own included; 1 turns "
-     "replication to peer hosts off.  [default: 2]"),
-    (("--replication-addr", "--replication_addr"), "replication_addr",
-     "HOST[:PORT] the replication transport listens on.  [default: --local-addr, else the "
-     "address that reaches the rendezvous endpoint; any port]"),
-    (("--secret-file", "--secret_file"), "secret_file",
-     "File with the run's replication secret.  [default: random, shared via the store]"),
-    (("--replicate-every", "--replicate_every"), "replicate_every",
-     "Replicate every N-th step (the same steps on every host); 0 picks N from the "
-     "time one replication takes.  [default: 0]"),
-    (("--replication-rate", "--replication_rate"), "replication_rate",
-     "Cap replication traffic at this many MB/s per push; 0: no cap.  [default: 0]"),
-    (("--pace/--no-pace",), "pace",
-     "Spread replication traffic over each iteration instead of bursts.  [default: pace]"),
-    (("--persist-dir", "--persist_dir"), "persist_dir",
-     "Directory (shared by all hosts) for the persistent tier.  [default: none]"),
-    (("--persist-every", "--persist_every"), "persist_every",
-     "Persist every N steps, or every T seconds (with an s: 600s).  [default: 600s]"),
-    (("--persist-keep", "--persist_keep"), "persist_keep",
-     "Complete persisted steps to keep.  [default: 2]"),
-    (("--persist-on-exit/--no-persist-on-exit",), "persist_on_exit",
-     "On a stop by signal (a preemption), persist the newest step of every rank to "
-     "--persist-dir before exiting.  [default: persist-on-exit]"),
-    (("--exit-grace", "--exit_grace"), "exit_grace",
-     "Seconds a stop by signal may spend persisting; keep it below the scheduler's grace "
-     "period.  [default: 20]"),
-    (("--on-divergence", "--on_divergence"), "on_divergence",
-     "When the data-parallel replicas' state disagrees (silent data corruption): rollback "
-     "every rank to the newest step they agreed on, stop (exit 5), or warn.  "
-     "[default: rollback]"),
-    (("--exclude-divergent/--no-exclude-divergent",), "exclude_divergent",
-     "When a majority of three or more replicas outvotes this host's state, this host "
-     "leaves the job (exit 6) and a spare or the others go on.  [default: no]"),
-    (("--max-same-failures", "--max_same_failures"), "max_same_failures",
-     "Restarts failing the same way with no new step in between before the job stops for "
-     "good with exit code 7 (do not requeue); 0: never.  [default: 3]"),
-)
-
-# What each valued flag of gemini's takes, as `gemini run --help` names it.
-_METAVARS = {
-    "run_root": "DIR", "store": "URL", "store_cacert": "FILE", "store_cert": "FILE",
-    "store_key": "FILE", "store_user": "USER", "store_password_file": "FILE",
-    "host_ttl": "SECONDS", "heartbeat_timeout": "SECONDS", "store_timeout": "SECONDS",
-    "hang_timeout": "SECONDS", "preload": "MODULE[,MODULE...]", "replicas": "M",
-    "replication_addr": "HOST[:PORT]",
-    "secret_file": "FILE", "replicate_every": "N", "replication_rate": "MB_PER_S",
-    "persist_dir": "DIR", "persist_every": "N|Ts", "persist_keep": "N",
-    "exit_grace": "SECONDS", "on_divergence": "{rollback,stop,warn}",
-    "max_same_failures": "N",
-}
+from launcher.config import gemini_flags
 
 
 class _Parser(argparse.ArgumentParser):
@@ -155,13 +67,13 @@ def _parser() -> _Parser:
     group.add_argument("--config", dest="config_file", default=argparse.SUPPRESS,
                        metavar="FILE", help="gemini.yaml with defaults for any flag (see "
                        "`gemini template config`).")
-    for names, key, help_text in _GEMINI_OPTIONS:
-        if "/" in names[0]:
-            group.add_argument(names[0].split("/")[0], dest=key, help=help_text,
-                               action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS)
+    for flag in gemini_flags():  # RunConfig's fields: their docstrings are the help
+        if flag.metavar:
+            group.add_argument(*flag.names, dest=flag.key, help=flag.help,
+                               metavar=flag.metavar, default=argparse.SUPPRESS)
         else:
-            group.add_argument(*names, dest=key, help=help_text, metavar=_METAVARS[key],
+            group.add_argument(*flag.names, dest=flag.key, help=flag.help,
+                               action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS)
     return parser
 

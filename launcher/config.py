@@ -45,6 +45,14 @@ DAY = 86400.0  # the longest timeout a flag may ask for; also rules out inf and 
 #: Where each run gets a directory for its events and state, unless told otherwise.
 DEFAULT_RUN_ROOT = "~/.local/state/gemini/runs"
 
+def _gemini(default: Any, metavar: str = "", *, shown: str = "") -> Any:
+    """A field of gemini's own: a flag of ``gemini run`` (:func:`gemini_flags`) whose value
+    is named ``metavar`` in its help (none for an on/off flag) and whose default is shown
+    as ``shown`` where the default value alone does not say it (it is computed)."""
+    return dataclasses.field(default=default,
+                             metadata={"gemini": True, "metavar": metavar, "shown": shown})
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything ``gemini run`` needs besides the training command itself.
@@ -115,85 +123,86 @@ class RunConfig:
     virtual_local_rank: bool = False
     """Give every worker LOCAL_RANK=0 and restrict its visible devices to one."""
 
-    # --- gemini's own -------------------------------------------------------------------
-    run_root: str = dataclasses.field(default=DEFAULT_RUN_ROOT, metadata={"gemini": True})
-    """Directory under which each run gets a directory for its events and state."""
-    store: str = dataclasses.field(default="", metadata={"gemini": True})
-    """Coordination store: ``etcd://HOST:PORT[,HOST:PORT...]`` or ``embedded:///PATH``
-    (default: an embedded store, ``store.db`` next to the run root)."""
-    store_cacert: str = dataclasses.field(default="", metadata={"gemini": True})
-    """CA certificate that signed an etcd store's server certificate: talk TLS to it."""
-    store_cert: str = dataclasses.field(default="", metadata={"gemini": True})
+    # --- gemini's own (each a flag of ``gemini run``: its help is the docstring) --------
+    run_root: str = _gemini(DEFAULT_RUN_ROOT, "DIR")
+    """Directory holding one directory per run (its events and state)."""
+    store: str = _gemini("", "URL", shown="embedded: store.db next to the run root")
+    """Coordination store: ``etcd://HOST:PORT[,HOST:PORT...]``, or ``embedded:///PATH``
+    (SQLite, one host only)."""
+    store_cacert: str = _gemini("", "FILE")
+    """CA certificate of an etcd store (and ``etcd-v3`` rendezvous) served over TLS."""
+    store_cert: str = _gemini("", "FILE")
     """Client certificate for an etcd started with ``--client-cert-auth`` (with
     ``store_key``)."""
-    store_key: str = dataclasses.field(default="", metadata={"gemini": True})
+    store_key: str = _gemini("", "FILE")
     """Private key of ``store_cert``."""
-    store_user: str = dataclasses.field(default="", metadata={"gemini": True})
-    """etcd user to authenticate as (etcd with ``auth enable``), with ``store_password_file``."""
-    store_password_file: str = dataclasses.field(default="", metadata={"gemini": True})
-    """File holding ``store_user``'s password (never a flag: command lines are public)."""
-    host_ttl: float = dataclasses.field(default=10.0, metadata={"gemini": True})
-    """Seconds without a refresh of its lease in the store after which a host counts as
-    lost."""
-    heartbeat_timeout: float = dataclasses.field(default=1.0, metadata={"gemini": True})
-    """Seconds a peer's supervisor may leave heartbeats unanswered before this host
-    suspects it; a majority of suspecting hosts makes it lost (0: leases alone decide)."""
-    store_timeout: float = dataclasses.field(default=60.0, metadata={"gemini": True})
+    store_user: str = _gemini("", "USER")
+    """etcd user to authenticate as (etcd with ``auth enable``), with
+    ``store_password_file``."""
+    store_password_file: str = _gemini("", "FILE")
+    """File holding ``store_user``'s password (never the password itself on a command
+    line: command lines are public)."""
+    host_ttl: float = _gemini(10.0, "SECONDS")
+    """Seconds without a refresh of its lease in the store before a host counts as lost."""
+    heartbeat_timeout: float = _gemini(1.0, "SECONDS")
+    """Seconds a peer's supervisor may leave heartbeats unanswered before it is suspected;
+    a majority of its watchers suspecting it makes it lost (0: leases alone decide)."""
+    store_timeout: float = _gemini(60.0, "SECONDS")
     """Seconds an etcd store may stay unreachable (restarting, hung, without quorum) while
-    training goes on; past them the supervisor stops its workers and exits 3, leaving
-    their checkpoints in shared memory for the next ``gemini run`` (0: exit at once)."""
-    hang_timeout: float = dataclasses.field(default=0.0, metadata={"gemini": True})
-    """Seconds without progress (an optimizer step or save of a worker's Checkpointer)
-    after which the host's workers are killed and restarted (0: no hang detection)."""
-    standby: bool = dataclasses.field(default=True, metadata={"gemini": True})
-    """Keep one interpreter per local rank with torch imported, so a restart skips start-up."""
-    preload: str = dataclasses.field(default="", metadata={"gemini": True})
-    """Modules (comma-separated) a standby imports before it waits, besides torch and the
-    installed packages the workers of the run imported (its own packages, say)."""
-    replicas: int = dataclasses.field(default=2, metadata={"gemini": True})
-    """Copies of each host's checkpoint kept in CPU memory, its own included (1: no
-    replication to peer hosts)."""
-    replication_addr: str = dataclasses.field(default="", metadata={"gemini": True})
-    """``HOST[:PORT]`` the replication transport listens on (default: ``--local-addr``, else
-    this host's address on the interface that reaches the rendezvous endpoint, a free
-    port; peers are told the same address)."""
-    secret_file: str = dataclasses.field(default="", metadata={"gemini": True})
-    """File holding the run's replication secret (default: one generated at random and
-    shared through the coordination store)."""
-    replicate_every: int = dataclasses.field(default=0, metadata={"gemini": True})
-    """Replicate the steps that are multiples of N (the same steps on every host); 0
-    chooses N from the measurements: the iterations one replication takes. A host loss
-    costs at most about 2N steps (3N with a fixed N) plus the few of the safety margin."""
-    replication_rate: float = dataclasses.field(default=0.0, metadata={"gemini": True})
-    """Cap on the replication traffic of one push, in MB/s (0: no cap beyond pacing)."""
-    pace: bool = dataclasses.field(default=True, metadata={"gemini": True})
-    """Spread replication traffic over each iteration instead of sending in bursts."""
-    persist_dir: str = dataclasses.field(default="", metadata={"gemini": True})
-    """Directory (local or shared by all hosts) for the persistent checkpoint tier
-    (default: no persistent tier)."""
-    persist_every: str = dataclasses.field(default="600s", metadata={"gemini": True})
-    """How often the persistent tier is written: ``N`` steps or ``Ts`` seconds."""
-    persist_keep: int = dataclasses.field(default=2, metadata={"gemini": True})
-    """Complete persisted steps kept; older ones are deleted."""
-    persist_on_exit: bool = dataclasses.field(default=True, metadata={"gemini": True})
+    training goes on; past them the workers stop, their checkpoints stay in shared memory
+    for the next ``gemini run``, exit 3 (0: exit at once)."""
+    hang_timeout: float = _gemini(0.0, "SECONDS", shown="0 (off)")
+    """Seconds without an optimizer step or save in a worker's Checkpointer before the
+    host's workers count as hung and are restarted (0: no hang detection)."""
+    standby: bool = _gemini(True)
+    """Keep a standby interpreter per local rank with torch and the installed modules the
+    run's workers imported, so that a restarted worker skips start-up."""
+    preload: str = _gemini("", "MODULE[,MODULE...]")
+    """Modules (comma-separated) the standbys import too before they wait: your own
+    packages, which they do not learn from the workers."""
+    replicas: int = _gemini(2, "M")
+    """Copies of each host's checkpoint in CPU memory, its own included (1: no replication
+    to peer hosts)."""
+    replication_addr: str = _gemini("", "HOST[:PORT]", shown="--local-addr, else the address of "
+                                    "the interface that reaches the rendezvous endpoint; any port")
+    """Where the replication transport listens; peers are told the same address."""
+    secret_file: str = _gemini("", "FILE", shown="a random secret shared through the store")
+    """File with the run's secret (at least 128 bits of random material): signs the
+    rendezvous state and authenticates replication."""
+    replicate_every: int = _gemini(0, "N", shown="0 (measured)")
+    """Replicate every N-th step, the same steps on every host; 0 picks the spacing from
+    the time one replication takes (k iterations: a host loss then costs at most about 2k
+    to 3k steps; a fixed N about 3N)."""
+    replication_rate: float = _gemini(0.0, "MB_PER_S", shown="0 (no cap)")
+    """Cap on the replication traffic of one push, in MB/s."""
+    pace: bool = _gemini(True)
+    """Send replication traffic while the workers leave the CPU idle, spread over each
+    iteration, instead of in a burst."""
+    persist_dir: str = _gemini("", "DIR")
+    """Directory for the persistent tier, one that every host sees (local disk for one
+    host)."""
+    persist_every: str = _gemini("600s", "N|Ts")
+    """Persist every ``N`` steps (multiples of N, the same on every host) or every ``T``
+    seconds (``600s``)."""
+    persist_keep: int = _gemini(2, "N")
+    """Complete persisted steps to keep; older ones are deleted."""
+    persist_on_exit: bool = _gemini(True)
     """On a stop by signal (a preemption), persist the newest step every rank holds to
     ``persist_dir`` before the memory is freed (no effect without ``persist_dir``)."""
-    exit_grace: float = dataclasses.field(default=20.0, metadata={"gemini": True})
-    """Seconds a stop by signal may spend persisting before the supervisor exits (keep it
-    below the scheduler's grace period, e.g. SLURM's ``--signal`` lead time)."""
-    on_divergence: OnDivergence = dataclasses.field(default="rollback",
-                                                    metadata={"gemini": True})
-    """What the data-parallel replicas' disagreeing state (silent data corruption) does:
-    ``rollback`` every rank to the newest step they agreed on (at most
-    ``max_same_failures`` times to one step, then stop), ``stop`` the job (exit 5), or
-    ``warn`` only."""
-    exclude_divergent: bool = dataclasses.field(default=False, metadata={"gemini": True})
-    """When a strict majority of the replicas outvotes this host's (three replicas or
-    more), this host leaves the job (exit 6) and the others go on from the newest step
-    the replicas agreed on, a spare taking its place, instead of every host rolling back."""
-    max_same_failures: int = dataclasses.field(default=3, metadata={"gemini": True})
-    """Restarts that fail the same way without a new step in between before the job stops
-    for good with exit code 7 (do not requeue); 0 turns the guard off."""
+    exit_grace: float = _gemini(20.0, "SECONDS")
+    """Seconds a stop by signal may spend persisting; keep it below the scheduler's grace
+    period."""
+    on_divergence: OnDivergence = _gemini("rollback", "{rollback,stop,warn}")
+    """When the data-parallel replicas' state disagrees (silent data corruption): roll
+    every rank back to the newest step they agreed on (at most ``max_same_failures`` times
+    to one step, then exit 5), stop (exit 5), or only warn."""
+    exclude_divergent: bool = _gemini(False)
+    """When a strict majority of three or more replicas outvotes this host's state, this
+    host leaves the job (exit 6) and a spare or the others go on from the agreed step,
+    instead of every host rolling back."""
+    max_same_failures: int = _gemini(3, "N")
+    """Restarts failing the same way with no new step in between before the job stops for
+    good with exit code 7 (do not requeue); 0: never."""
 
     # Complexity above 10: one check per field, in one place.
     def __post_init__(self) -> None:  # noqa: C901
@@ -278,6 +287,77 @@ class RunConfig:
         if not self.replication_addr:
             return "0.0.0.0", 0
         return _parse_host_port(self.replication_addr, "replication_addr")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One of gemini's own flags of ``gemini run``, made from its :class:`RunConfig` field."""
+
+    names: tuple[str, ...]  # the dashed spelling first, then torchrun's underscored one
+    key: str
+    help: str
+    metavar: str  # "" for an on/off flag (--X/--no-X)
+
+
+def gemini_flags() -> list[Flag]:
+    """gemini's flags, in :class:`RunConfig`'s order: each field's docstring is its help,
+    followed by its default (``[default: ...]``), so that the help, the YAML keys and
+    docs/configuration.md (checked by a test) say one thing."""
+    docs = field_docs()
+    flags = []
+    for field in dataclasses.fields(RunConfig):
+        if not field.metadata.get("gemini"):
+            continue
+        dashed = "--" + field.name.replace("_", "-")
+        names = (dashed,) if "_" not in field.name else (dashed, "--" + field.name)
+        metavar = field.metadata["metavar"]
+        text = _plain(docs.get(field.name, ""))
+        flags.append(Flag(names if metavar else (dashed,), field.name,
+                          f"{text}  [default: {shown_default(field.name)}]", metavar))
+    return flags
+
+
+def shown_default(key: str) -> str:
+    """The default of gemini's field ``key`` as its help and the docs show it."""
+    field = RunConfig.__dataclass_fields__[key]
+    if field.metadata.get("shown"):
+        return str(field.metadata["shown"])
+    value = field.default
+    if isinstance(value, bool):
+        flag = key.replace("_", "-")
+        return flag if value else f"no-{flag}"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value) if value != "" else "none"
+
+
+def field_docs() -> dict[str, str]:
+    """The docstring under each field of :class:`RunConfig`, read from this module's source
+    (Python keeps no attribute docstrings); empty where the source is not installed."""
+    import ast
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(RunConfig))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = after.value.value
+    return docs
+
+
+def _plain(doc: str) -> str:
+    """A docstring as one line of help: ``a_field`` becomes its flag, ``code`` plain."""
+    def literal(match: re.Match[str]) -> str:
+        text = match.group(1)
+        return "--" + text.replace("_", "-") if text in RunConfig.__dataclass_fields__ else text
+
+    return re.sub(r"``([^`]+)``", literal, " ".join(doc.split()))
 
 
 def default_store_url(run_root: str) -> str:

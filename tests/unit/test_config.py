@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from launcher.config import RunConfig, env_values, read_config_file, resolve
+from launcher.config import (
+    DEFAULT_RUN_ROOT,
+    RunConfig,
+    env_values,
+    field_docs,
+    gemini_flags,
+    read_config_file,
+    resolve,
+    shown_default,
+)
 from launcher.errors import ConfigError
 
 
@@ -104,3 +114,56 @@ def test_template_config_is_valid(tmp_path: Path) -> None:
     path.write_text(text)
     assert RunConfig(**read_config_file(path)) == RunConfig()
 
+
+
+def _documented_flags() -> dict[str, str]:
+    """docs/configuration.md's flag table: each flag of a row's first cell -> the row's
+    default cell, without its code marks."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    found = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if line.startswith("| `--") and len(cells) >= 3:
+            for flag in re.findall(r"`(--[a-z-]+)", cells[0]):
+                found[flag] = cells[1].replace("`", "")
+    return found
+
+
+def test_every_flag_is_documented_with_its_default() -> None:
+    """``gemini run``'s own flags come from RunConfig (help = the field's docstring,
+    default = the field's); docs/configuration.md lists each with the same default, and
+    every field has a docstring to be its help."""
+    documented = _documented_flags()
+    docs = field_docs()
+    for flag in gemini_flags():
+        assert docs.get(flag.key), f"RunConfig.{flag.key} has no docstring (its --help)"
+        assert flag.names[0] in documented, f"{flag.names[0]} is missing in docs/configuration.md"
+        shown = shown_default(flag.key)
+        assert documented[flag.names[0]].startswith(shown), (flag.names[0], shown)
+        assert flag.help.endswith(f"[default: {shown}]")
+
+
+def test_flag_help_names_flags_not_fields() -> None:
+    """A docstring's ``a_field`` reads as its flag in the help."""
+    help_of = {flag.key: flag.help for flag in gemini_flags()}
+    assert "--store-key" in help_of["store_cert"] and "``" not in help_of["store_cert"]
+    assert help_of["standby"].endswith("[default: standby]")
+    assert help_of["exclude_divergent"].endswith("[default: no-exclude-divergent]")
+    assert help_of["host_ttl"].endswith("[default: 10]")
+
+
+def test_the_config_template_names_every_key_with_its_default() -> None:
+    """``gemini template config`` shows each of gemini's keys; where it shows the default
+    (a key whose example is not a default, a store URL say, has its default computed),
+    it is RunConfig's."""
+    from importlib import resources
+
+    import yaml
+
+    text = resources.files("gemini_templates").joinpath("gemini.yaml").read_text()
+    for flag in gemini_flags():
+        line = re.search(rf"^#? ?{flag.key}: (.*?)(\s+#.*)?$", text, re.M)
+        assert line, f"{flag.key} is not in the template"
+        field = RunConfig.__dataclass_fields__[flag.key]
+        if not field.metadata.get("shown") and field.default not in ("", DEFAULT_RUN_ROOT):
+            assert yaml.safe_load(line.group(1)) == field.default, flag.key
