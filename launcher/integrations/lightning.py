@@ -65,6 +65,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib
+import io
 import logging
 import pickle
 import sys
@@ -87,6 +88,7 @@ _SUPPORTED = frozenset({"SingleDeviceStrategy", "DDPStrategy"})
 # the codec takes as they are; the rest may hold any object.
 _TENSOR_PARTS = frozenset({"state_dict", "optimizer_states"})
 _PICKLED = "__gemini_pickled__"
+_REST = "__gemini_rest__"  # the checkpoint's parts other than _TENSOR_PARTS, pickled
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 _LEAVES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype})
 
@@ -114,12 +116,22 @@ class _LightningSnapshot:
             checkpoint = connector.dump_checkpoint(weights_only=False)
         finally:
             connector.__dict__.pop("_get_loops_state_dict", None)
+        rest = {key: value for key, value in checkpoint.items() if key not in _TENSOR_PARTS}
+        blob = _pickled_without_tensors(rest)
+        if blob is not None:  # the common case: one pickle, no walk of the loops' dicts
+            return {**{key: checkpoint[key] for key in _TENSOR_PARTS if key in checkpoint},
+                    _REST: blob}
         return {key: value if key in _TENSOR_PARTS else _encodable(value)
                 for key, value in checkpoint.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state:
+            self.loaded = None
+            return
         self.loaded = {key: value if key in _TENSOR_PARTS else _decoded(value)
-                       for key, value in state.items()} if state else None
+                       for key, value in state.items() if key != _REST}
+        if _REST in state:
+            self.loaded.update(pickle.loads(state[_REST]))  # this worker's own state
 
 
 class _LoopStates:
@@ -334,6 +346,34 @@ def _set_sampler_epoch(loader: Any, epoch: int) -> None:
 def _stateful(loader: Any) -> bool:
     return callable(getattr(loader, "state_dict", None)) and callable(
         getattr(loader, "load_state_dict", None))
+
+
+class _TensorFound(Exception):
+    pass
+
+
+class _TensorlessPickler(pickle.Pickler):
+    """A pickler that stops at the first tensor: tensors go into the slot as tensors (a
+    GPU tensor copied on its device, a parameter not copied at all), never into a pickle.
+    Containers and numbers never reach ``reducer_override``: it costs nothing for them."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            raise _TensorFound
+        return NotImplemented
+
+
+def _pickled_without_tensors(tree: Any) -> bytes | None:
+    """``tree`` pickled, or None where it holds a tensor. One C-speed pass over the
+    non-tensor part of a Lightning checkpoint (the loops' progress, the callbacks',
+    schedulers' and precision plugin's states, hyperparameters), where the state-tree
+    codec and the Checkpointer's copy would each walk its many small dicts at every save."""
+    buffer = io.BytesIO()
+    try:
+        _TensorlessPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(tree)
+    except _TensorFound:
+        return None
+    return buffer.getvalue()
 
 
 def _encodable(tree: Any) -> Any:

@@ -166,3 +166,36 @@ def test_lightning_loop_states_are_read_as_lightning_reads_them() -> None:
                          enable_model_summary=False)
     trainer.fit(Model())
     assert seen == [True] * 6
+
+
+def test_a_lightning_checkpoints_tensorless_parts_are_one_pickle() -> None:
+    """The parts of a Lightning checkpoint besides the model and optimizer states go into
+    the slot as one pickle when they hold no tensor, and come back merged; a tensor among
+    them (a ModelCheckpoint's best score, on the GPU say) keeps the per-value form, so it
+    is copied as a tensor and never pickled."""
+    from launcher.integrations.lightning import _LightningSnapshot, _pickled_without_tensors
+
+    rest = {"loops": {"fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 3}}}},
+            "epoch": 1, "hparams": {"lr": 0.1, "kind": torch.float16}}
+    blob = _pickled_without_tensors(rest)
+    assert isinstance(blob, bytes)
+    assert _pickled_without_tensors({**rest, "callbacks": {"best": torch.tensor(0.5)}}) is None
+
+    class Connector:
+        def __init__(self, checkpoint: dict) -> None:
+            self.checkpoint = checkpoint
+
+        def dump_checkpoint(self, weights_only: bool) -> dict:
+            return self.checkpoint
+
+    snapshot = _LightningSnapshot()
+    snapshot.live, snapshot.loops = True, dict  # dict() stands in for the loops' reader
+    weights = {"w": torch.ones(2)}
+    for checkpoint in ({**rest, "state_dict": weights},
+                       {**rest, "state_dict": weights, "callbacks": {"best": torch.tensor(0.5)}}):
+        snapshot.trainer = type("Trainer", (), {"_checkpoint_connector": Connector(checkpoint)})()
+        state = snapshot.state_dict()
+        assert state["state_dict"] is weights
+        snapshot.load_state_dict(state)
+        assert snapshot.loaded is not None and snapshot.loaded.keys() == checkpoint.keys()
+        assert snapshot.loaded["loops"] == rest["loops"] and snapshot.loaded["hparams"] == rest["hparams"]
