@@ -6,7 +6,6 @@ round :class:`MemoryService` decides what every rank restores and brings it into
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -15,6 +14,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from launcher import memory
@@ -34,6 +34,8 @@ from launcher.errors import (
 )
 from launcher.events import EventLog
 from launcher.recovery import (
+    HoldingsReport,
+    ReportRefused,
     RestorePlan,
     Source,
     Tier,
@@ -178,15 +180,15 @@ class MemoryService:
         report = self._holdings(ranks, world_size)
         if node == 0 and self.replication is not None:
             store.set("replication_round", uuid.uuid4().hex)
-        store.set(f"holdings/{node}", json.dumps(report))
-        reports = {peer: json.loads(store.get(f"holdings/{peer}")) for peer in range(nodes)}
+        store.set(f"holdings/{node}", report.dumps())
+        reports = read_holdings(store, nodes, self.events)
         plan = choose_plan(reports, world_size, node)
         if plan.step is None and (available := gather_sources(reports)):
             why = explain_incomplete(available, world_size)
             logger.warning("no step is complete for every rank in any tier, so the job starts "
                            "from step 0: %s", why)
             self.events.write("restore_incomplete", why=why,
-                              reports={str(k): v for k, v in reports.items()})
+                              reports={str(k): asdict(v) for k, v in reports.items()})
         scanned = time.monotonic()
         restore = -1 if plan.step is None else plan.step
         self.restored = restore
@@ -214,43 +216,43 @@ class MemoryService:
         _announce_resize(plan, world_size)
 
         def done() -> None:
-            self.events.write("restore_plan", step=plan.step, local=report["local"],
+            self.events.write("restore_plan", step=plan.step, local=report.local,
                               world_size=world_size, from_world_size=plan.world_size,
-                              replicas=report["replicas"], persist=report["persist"],
+                              replicas=report.replicas, persist=report.persist,
                               sources={str(rank): used[rank] for rank in sorted(used)},
                               scan_seconds=round(scanned - started, 4),
                               transfer_seconds=round(time.monotonic() - scanned, 4))
 
         self._bring_in_the_rest(plan, ranks, used, reports, done)
         if self.replication is not None:
-            addresses = {peer: (str(r["address"][0]), int(r["address"][1]))
-                         for peer, r in reports.items() if r.get("address")}
+            addresses = {peer: r.address for peer, r in reports.items() if r.address}
             round_id = store.get("replication_round").decode()
+            # A node whose report was refused is left to set_round's default: torch's
+            # assignment of ranks to nodes.
             self.replication.set_round(
                 node, nodes, addresses, round_id=round_id, restored=restore,
-                ranks={peer: r["ranks"] for peer, r in reports.items()
-                       if isinstance(r.get("ranks"), list)})
+                ranks={peer: r.ranks for peer, r in reports.items()})
 
-    def _holdings(self, ranks: list[int], world_size: int) -> dict[str, Any]:
+    def _holdings(self, ranks: list[int], world_size: int) -> HoldingsReport:
         """This host's report to the round: the steps it holds of each rank in each tier,
         and what it can restore at another world size."""
         resizable = self.owner.resizable(world_size)
-        return {
-            "local": self.owner.holdings(ranks, world_size),
-            "replicas": self.owner.holdings(None, world_size, replica=True)
+        return HoldingsReport(
+            local=self.owner.holdings(ranks, world_size),
+            replicas=self.owner.holdings(None, world_size, replica=True)
             if self.replication is not None else {},
-            "persist": {rank: steps for rank, steps in self.persist.scan().items()
-                        if rank in ranks} if self.persist is not None else {},
-            "address": list(self.replication.address) if self.replication is not None else None,
-            "ranks": ranks,
-            "avoid": sorted(self.avoid),
-            "ceiling": self.ceiling,
-            "resizable": resizable["replicated"],
-            "reshardable": resizable["sharded"],
-        }
+            persist={rank: steps for rank, steps in self.persist.scan().items()
+                     if rank in ranks} if self.persist is not None else {},
+            address=self.replication.address if self.replication is not None else None,
+            ranks=ranks,
+            avoid=sorted(self.avoid),
+            ceiling=self.ceiling,
+            resizable=resizable["replicated"],
+            reshardable=resizable["sharded"],
+        )
 
     def _bring_in_the_rest(self, plan: RestorePlan, ranks: list[int], used: dict[int, str],
-                           reports: dict[int, dict[str, Any]], done: Callable[[], None]
+                           reports: dict[int, HoldingsReport], done: Callable[[], None]
                            ) -> None:
         """Pull from peers and load from files what ``plan`` needs and ``used`` lacks, in
         the background; each rank's arrival resolves when its copy is in (resharding:
@@ -307,7 +309,7 @@ class MemoryService:
         return found
 
     def _bring_in(self, plan: RestorePlan, ranks: list[int],
-                  reports: dict[int, dict[str, Any]]) -> dict[int, str]:
+                  reports: dict[int, HoldingsReport]) -> dict[int, str]:
         """Make this host's memory hold ``plan.step`` for each of ``ranks``; return the
         tier each one came from."""
         used: dict[int, str] = {}
@@ -332,7 +334,7 @@ class MemoryService:
         return used
 
     def _fetch(self, rank: int, step: int, source: Source,
-               reports: dict[int, dict[str, Any]], origin: int, *, reshard: bool = False
+               reports: dict[int, HoldingsReport], origin: int, *, reshard: bool = False
                ) -> None:
         """Bring ``step`` of rank ``origin`` (``rank`` itself, unless the job was resized)
         from ``source`` into an own slot of ``rank``; with ``reshard``, ``rank`` is a rank
@@ -343,15 +345,13 @@ class MemoryService:
                 self.owner.restore_local(rank, step, source=origin)  # unless already there
             return  # the worker verifies it again
         if source.tier is Tier.PEER:
-            address = reports[source.node].get("address")
+            address = reports[source.node].address
             if self.replication is None or not address:
                 raise ReplicationError(f"node {source.node} has no replication address")
             if reshard:  # a copy of an old rank, kept beside this host's own slots
-                self.replication.pull((str(address[0]), int(address[1])), rank, step,
-                                      replica=True)
+                self.replication.pull(address, rank, step, replica=True)
             else:
-                self.replication.pull((str(address[0]), int(address[1])), origin, step,
-                                      into=rank)
+                self.replication.pull(address, origin, step, into=rank)
             return
         if self.persist is None:
             raise CheckpointError("no persistent tier configured")
@@ -414,6 +414,29 @@ class MemoryService:
             self.replication.close()
         self.server.close()
         self.owner.close()
+
+
+def read_holdings(store: Store, nodes: int, events: EventLog) -> dict[int, HoldingsReport]:
+    """Every node's holdings report to the round, as each wrote it under
+    ``holdings/<node>`` (the store's ``get`` waits for it).
+
+    A report that does not parse (:class:`ReportRefused`: a damaged value, or a host of
+    another version of gemini) is left out, and its node holds nothing in this round: the
+    plan restores its ranks from copies elsewhere, or starts fresh; nothing is pulled from
+    it, and its ranks are taken to be torch's assignment. Reading what could be read of it
+    instead might name copies its host does not hold, or miss an ``avoid`` or a
+    ``ceiling``. Hosts of one version refuse the same bytes alike, so their plans still
+    agree. Said as a warning and a ``holdings_refused`` event.
+    """
+    reports: dict[int, HoldingsReport] = {}
+    for node in range(nodes):
+        try:
+            reports[node] = HoldingsReport.loads(store.get(f"holdings/{node}"))
+        except ReportRefused as exc:
+            logger.warning("node %d's holdings report is refused, so it holds nothing in "
+                           "this round: %s", node, exc)
+            events.write("holdings_refused", node=node, why=str(exc))
+    return reports
 
 
 def _announce_resize(plan: RestorePlan, world_size: int) -> None:
