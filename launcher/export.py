@@ -18,19 +18,19 @@ from typing import Any
 
 from launcher import memory
 from launcher.errors import CheckpointError, StorageError, UsageError
-from launcher.persist import SlotImage, check_run_dir, read_slot_file, scan, slot_path
+from launcher.persist import check_run_dir, read_slot_file, scan, slot_path
 
 #: What gemini export writes last: DCP's metadata, a pickle its loader unpickles; the
 #: directory is complete (loadable) only once it is there.
 METADATA = ".metadata"
 
 
-def _snapshot(segment: memory.Segment) -> SlotImage | None:
+def _snapshot(segment: memory.Segment) -> memory.SlotImage | None:
     """A private copy of the committed slot ``segment`` holds, verified; None if the slot
     changed during the copy. Raises CheckpointError if it does not verify."""
     buf = segment.view
     header = memory.read_header(buf)
-    if header is None or header.state is not memory.SlotState.COMMITTED:
+    if not memory.committed(header):
         return None
     end = header.meta_offset + header.meta_len
     if header.meta_offset < memory.HEADER_SIZE + header.data_len or end > len(buf):
@@ -50,12 +50,12 @@ def _snapshot(segment: memory.Segment) -> SlotImage | None:
     except CheckpointError:
         copy.close()
         raise
-    return SlotImage(f"memory:{segment.name}", header, meta, copy)
+    return memory.SlotImage(f"memory:{segment.name}", header, meta, copy)
 
 
 # Complexity above 10: each tier in turn, with a reason for each miss.
 def open_checkpoint(run_id: str, *, rank: int = 0, step: int | None = None,  # noqa: C901
-                    directory: Path | None = None) -> SlotImage:
+                    directory: Path | None = None) -> memory.SlotImage:
     """The newest step (or ``step``) of ``rank`` that verifies: from this host's shared
     memory (the run's own slots, not replicas of peers), or from the persisted files under
     ``directory``. Raises CheckpointError when none verifies, StorageError when
@@ -105,14 +105,14 @@ def open_checkpoint(run_id: str, *, rank: int = 0, step: int | None = None,  # n
 
 
 def _memory_candidates(run_id: str, rank: int, step: int | None) -> list[str]:
-    """Names of this run's own committed slots of ``rank`` on this host, newest first."""
+    """Names of this run's own committed slots of ``rank`` on this host, newest first: by
+    step, and of one step the later commit (as ``memory.by_step`` picks)."""
     found = []
     for info in memory.run_slots(run_id, check=False):
         header = info.header
-        if (info.replica or info.rank != rank or header is None or info.valid_step is None
-                or header.run_id != run_id[:64] or (step is not None and header.step != step)):
-            continue
-        found.append(((header.step, header.seq), info.name))
+        if (not info.replica and info.rank == rank and info.valid_step is not None
+                and memory.committed(header, step=step, run_id=run_id)):
+            found.append(((header.step, header.seq), info.name))
     return [name for _, name in sorted(found, reverse=True)]
 
 

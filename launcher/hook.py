@@ -614,10 +614,8 @@ class Checkpointer:
                 segment = memory.attach_segment(name, populate=False)
             except StorageError:  # unusable (empty, not ours): it holds no copy
                 continue
-            header = memory.read_header(segment.view)
-            if (header is not None and header.state is memory.SlotState.COMMITTED
-                    and header.step == step and header.rank == rank
-                    and header.world_size == world):
+            if memory.committed(memory.read_header(segment.view), step=step, rank=rank,
+                                world_size=world):
                 return segment
             segment.close()
         raise CheckpointError(f"rank {self.rank}: no copy of step {step} of rank {rank} "
@@ -683,8 +681,8 @@ class Checkpointer:
         return next((i for i in order if i not in kept), None)
 
     def _find(self, step: int) -> int | None:
-        return prefetch.newest_holding(step, [memory.read_header(segment.view) if segment else None
-                                      for segment in self._segments])
+        return memory.holding(step, [memory.read_header(segment.view) if segment else None
+                                     for segment in self._segments])
 
     def _discard_newer_than(self, step: int) -> None:
         """Forget steps after the restored one: they belong to an abandoned attempt."""

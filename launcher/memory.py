@@ -11,7 +11,8 @@ this user, mode 0600, one link. Workers only attach to it with ``os.open`` and
 segment when an attaching process dies (before Python 3.13).
 
 Each rank has two segments (slots 0 and 1), a double buffer: a save writes the slot that
-does not hold the newest committed step. A slot's layout::
+does not hold the newest committed step. Which slot holds a step, or the newest, is decided
+from headers alone by :func:`holding` and :func:`newest`, for every reader. A slot's layout::
 
     [0, 4096)                      header (fixed binary layout, see ``_HEADER``)
     [4096, 4096 + data_len)        tensor bytes, each tensor aligned to 64 bytes
@@ -41,10 +42,10 @@ import stat
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import xxhash
 
@@ -94,6 +95,78 @@ class SlotHeader:
     meta_hash: int
     capacity: int
     run_id: str
+
+
+class SlotImage:
+    """A committed slot's bytes in private memory (a copy-on-write map of a persisted file,
+    or a copy of a shared-memory slot) with its decoded header and metadata. The bytes may
+    be handed to ``launcher.codec.load_state``; nothing written to them reaches the source."""
+
+    def __init__(self, source: str, header: SlotHeader, meta: dict[str, Any],
+                 buf: mmap.mmap) -> None:
+        self.source = source
+        self.header = header
+        self.meta = meta
+        self.buf = buf
+
+    def close(self) -> None:
+        try:
+            self.buf.close()
+        except BufferError:  # a tensor still views it; it goes with the last reference
+            pass
+
+    def __enter__(self) -> SlotImage:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+# -- the double buffer: which slot holds what ----------------------------------------------
+# Every reader that picks one of a rank's slots from their headers alone (a worker's
+# restore and prefetch, the supervisor's slot owner, the persistent tier, export) decides
+# with these, so that all of them take a step from the same slot and keep the same one.
+
+def committed(header: SlotHeader | None, *, step: int | None = None, rank: int | None = None,
+              world_size: int | None = None, run_id: str | None = None
+              ) -> TypeGuard[SlotHeader]:
+    """Whether ``header`` is a committed slot: of ``step``, of ``rank``, written by a world of
+    ``world_size`` ranks and of the run ``run_id`` where given (a header keeps a run id's
+    first 64 characters). Headers only: its bytes have yet to verify."""
+    return (header is not None and header.state is SlotState.COMMITTED
+            and (step is None or header.step == step)
+            and (rank is None or header.rank == rank)
+            and (world_size is None or header.world_size == world_size)
+            and (run_id is None or header.run_id == run_id[:64]))
+
+
+def by_step(headers: Sequence[SlotHeader | None], *, rank: int | None = None,
+            world_size: int | None = None, run_id: str | None = None) -> dict[int, int]:
+    """Step -> the index in ``headers`` of the slot holding it, among the :func:`committed`
+    ones (of ``rank``, ``world_size`` and ``run_id`` where given). Of two slots with the
+    same step, the later commit holds it (each commit of a rank takes a higher
+    ``seq``); on equal seqs, the first."""
+    held: dict[int, tuple[int, int]] = {}  # step -> (seq, index)
+    for index, header in enumerate(headers):
+        if committed(header, rank=rank, world_size=world_size, run_id=run_id) and (
+                header.step not in held or header.seq > held[header.step][0]):
+            held[header.step] = (header.seq, index)
+    return {step: index for step, (_, index) in held.items()}
+
+
+def holding(step: int, headers: Sequence[SlotHeader | None], *, rank: int | None = None,
+            world_size: int | None = None, run_id: str | None = None) -> int | None:
+    """The index in ``headers`` of the slot holding committed ``step`` (:func:`by_step`),
+    or None."""
+    return by_step(headers, rank=rank, world_size=world_size, run_id=run_id).get(step)
+
+
+def newest(headers: Sequence[SlotHeader | None]) -> int | None:
+    """The index in ``headers`` of the slot holding the newest committed step (of that
+    step, the later commit; see :func:`by_step`), or None: the slot a save must not
+    overwrite."""
+    held = by_step(headers)
+    return held[max(held)] if held else None
 
 
 def run_key(run_id: str) -> str:
@@ -202,8 +275,7 @@ def pinned_slots(headers: list[SlotHeader | None], pins: tuple[int, int]) -> set
     step: the one holding s*, and the one holding the first committed step at or after
     the target."""
     sstar, target = pins
-    steps = {i: h.step for i, h in enumerate(headers)
-             if h is not None and h.state is SlotState.COMMITTED}
+    steps = {i: h.step for i, h in enumerate(headers) if committed(h)}
     kept = {i for i, step in steps.items() if sstar >= 0 and step == sstar}
     due = [(step, i) for i, step in steps.items() if target >= 0 and step >= target]
     if due:
@@ -1050,9 +1122,7 @@ class SlotInfo:
     @property
     def valid_step(self) -> int | None:
         """The committed step this slot can restore, or None."""
-        if self.error is None and self.header is not None and (
-            self.header.state is SlotState.COMMITTED
-        ):
+        if self.error is None and committed(self.header):
             return self.header.step
         return None
 

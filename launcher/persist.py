@@ -349,33 +349,7 @@ def complete_steps(directory: Path, run_id: str) -> list[int]:
     return _complete(_published(directory, run_id))
 
 
-class SlotImage:
-    """A committed slot's bytes in private memory (a copy-on-write map of a persisted file,
-    or a copy of a shared-memory slot) with its decoded header and metadata. The bytes may
-    be handed to ``launcher.codec.load_state``; nothing written to them reaches the source."""
-
-    def __init__(self, source: str, header: memory.SlotHeader, meta: dict[str, Any],
-                 buf: mmap.mmap, manifest: Manifest | None = None) -> None:
-        self.source = source
-        self.header = header
-        self.meta = meta
-        self.buf = buf
-        self.manifest = manifest
-
-    def close(self) -> None:
-        try:
-            self.buf.close()
-        except BufferError:  # a tensor still views it; it goes with the last reference
-            pass
-
-    def __enter__(self) -> SlotImage:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
-
-
-def read_slot_file(path: Path, *, check: bool = True) -> SlotImage:
+def read_slot_file(path: Path, *, check: bool = True) -> memory.SlotImage:
     """Map a published ``.gslot`` file privately after checking it against its manifest;
     with ``check`` verify every tensor checksum too. Raises CheckpointError if the file
     is unpublished, truncated or corrupt, StorageError if it cannot be read."""
@@ -402,7 +376,7 @@ def read_slot_file(path: Path, *, check: bool = True) -> SlotImage:
     except OSError as exc:  # EIO while reading the mapped pages surfaces as SIGBUS, not here
         buf.close()
         raise StorageError(f"cannot read {path}: {exc.strerror}") from None
-    return SlotImage(str(path), header, meta, buf, manifest)
+    return memory.SlotImage(str(path), header, meta, buf)
 
 
 def load_into(directory: Path, run_id: str, rank: int, step: int,
@@ -533,6 +507,14 @@ def _raw_header(path: Path, size: int) -> memory.SlotHeader | None:
 
 
 # -- writing --------------------------------------------------------------------------------
+
+def _current_header(segment: memory.Segment) -> memory.SlotHeader | None:
+    """The header of ``segment``, or None once it is closed (regrown meanwhile)."""
+    try:
+        return memory.read_header(segment.view)
+    except (StorageError, ValueError):
+        return None
+
 
 class _Aborted(Exception):
     """The writer was closed in the middle of a copy."""
@@ -833,7 +815,7 @@ class PersistWriter:
                         continue
                     path = slot_path(self.directory, self.run_id, rank, step)
                     try:
-                        if self._persist(rank, step, steps[step][1], path, stop=stop,
+                        if self._persist(rank, step, steps[step], path, stop=stop,
                                          gated=False):
                             self._persisted[rank] = step
                             done.append(rank)
@@ -889,7 +871,7 @@ class PersistWriter:
                     break
                 path = slot_path(self.directory, self.run_id, rank, step)
                 try:
-                    done = self._persist(rank, step, held[rank][step][1], path)
+                    done = self._persist(rank, step, held[rank][step], path)
                 except _Aborted:
                     break
                 except StorageError as exc:
@@ -914,23 +896,14 @@ class PersistWriter:
                     logger.exception("on_persisted callback failed")
         return published
 
-    def _held(self) -> dict[int, dict[int, tuple[int, memory.Segment]]]:
-        """rank -> step -> (seq, slot) of every committed slot of this run, for every local
-        rank with slots (none committed: empty)."""
-        held: dict[int, dict[int, tuple[int, memory.Segment]]] = {}
+    def _held(self) -> dict[int, dict[int, memory.Segment]]:
+        """rank -> step -> the slot holding it (``memory.by_step``) of this run, for every
+        local rank with slots (a rank that has committed nothing yet holds no step)."""
+        held: dict[int, dict[int, memory.Segment]] = {}
         for rank, segments in self._sources().items():
-            held[rank] = {}  # a rank that has committed nothing yet holds no step
-            for segment in segments:
-                try:
-                    header = memory.read_header(segment.view)
-                except (StorageError, ValueError):  # closed (regrown) meanwhile
-                    continue
-                if (header is None or header.state is not memory.SlotState.COMMITTED
-                        or header.rank != rank or header.run_id != self.run_id[:64]):
-                    continue
-                steps = held.setdefault(rank, {})
-                if header.step not in steps or header.seq > steps[header.step][0]:
-                    steps[header.step] = (header.seq, segment)
+            headers = [_current_header(segment) for segment in segments]
+            held[rank] = {step: segments[index] for step, index in memory.by_step(
+                headers, rank=rank, run_id=self.run_id).items()}
         return held
 
     def _persist(self, rank: int, step: int, segment: memory.Segment, path: Path, *,
@@ -944,8 +917,7 @@ class PersistWriter:
         except StorageError:
             return False
         header = memory.read_header(buf)
-        if (header is None or header.state is not memory.SlotState.COMMITTED
-                or header.step != step or header.rank != rank):
+        if not memory.committed(header, step=step, rank=rank):
             return False
         end = header.meta_offset + header.meta_len
         if header.meta_offset < memory.HEADER_SIZE + header.data_len or end > len(buf):

@@ -51,7 +51,7 @@ class Prefetch:
                 segments.append(memory.attach_segment(name, populate=False)
                                 if (memory.SHM_DIR / name).exists() else None)
             headers = [memory.read_header(s.view) if s else None for s in segments]
-            newest = newest_holding(step, headers)
+            newest = memory.holding(step, headers)
             if newest is None:
                 return
             segment, header = segments[newest], headers[newest]
@@ -75,17 +75,6 @@ class Prefetch:
             for segment in segments:
                 if segment is not None:
                     segment.close()
-
-
-def newest_holding(step: int, headers: list[memory.SlotHeader | None]) -> int | None:
-    """The index of the committed slot of ``step`` with the highest seq in ``headers``."""
-    best: tuple[int, int] | None = None
-    for index, header in enumerate(headers):
-        if header is not None and header.state is memory.SlotState.COMMITTED and (
-            header.step == step and (best is None or header.seq > best[1])
-        ):
-            best = (index, header.seq)
-    return best[0] if best else None
 
 
 _prefetch: Prefetch | None = None

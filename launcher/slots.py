@@ -287,10 +287,10 @@ class SlotOwner:
         source = rank if source is None else source
 
         def holding(segments: Iterable[memory.Segment | None]) -> memory.Segment | None:
-            return next((seg for seg in segments if seg is not None
-                         and (h := memory.read_header(seg.view)) is not None
-                         and h.step == step and h.rank == source
-                         and h.state is memory.SlotState.COMMITTED), None)
+            """The first of ``segments`` holding the step: any copy will do (verified as
+            it is copied), so an own slot before a replica."""
+            return next((seg for seg in segments if seg is not None and memory.committed(
+                memory.read_header(seg.view), step=step, rank=source)), None)
 
         with self._lock:
             if holding(self._slots.get(rank, [])) is not None:
@@ -370,15 +370,11 @@ class SlotOwner:
         of ``rank``; the caller verifies checksums."""
         with self._lock:
             for pairs in (self._slots, self._replicas):
-                best: tuple[int, memory.Segment] | None = None
-                for segment in pairs.get(rank, []):
-                    header = memory.read_header(segment.view) if segment is not None else None
-                    if (segment is not None and header is not None and header.step == step
-                            and header.state is memory.SlotState.COMMITTED
-                            and (best is None or header.seq > best[0])):
-                        best = (header.seq, segment)
-                if best is not None:
-                    return best[1]
+                pair = pairs.get(rank, [])
+                index = memory.holding(step, [memory.read_header(seg.view) if seg is not None
+                                              else None for seg in pair])
+                if index is not None:
+                    return pair[index]
             return None
 
     def _check_capacity(self, pair: list[memory.Segment | None], grow: list[int],
@@ -416,19 +412,16 @@ class SlotOwner:
 
     @staticmethod
     def _kept_index(pair: list[memory.Segment | None], pinned: int | None) -> int | None:
-        """The slot a write must not touch: the one holding the committed ``pinned`` step
-        if any does, else the one holding the newest committed step."""
-        best: tuple[int, int] | None = None
-        index: int | None = None
-        for i, seg in enumerate(pair):
-            header = memory.read_header(seg.view) if seg is not None else None
-            if header is not None and header.state is memory.SlotState.COMMITTED:
-                if header.step == pinned:
-                    return i
-                key = (header.step, header.seq)
-                if best is None or key > best:
-                    best, index = key, i
-        return index
+        """The slot a write must not touch: the first one holding the committed ``pinned``
+        step if any does (one copy of it is all a pin keeps), else the one holding the
+        newest committed step."""
+        headers = [memory.read_header(seg.view) if seg is not None else None for seg in pair]
+        if pinned is not None:
+            kept = next((i for i, h in enumerate(headers) if memory.committed(h, step=pinned)),
+                        None)
+            if kept is not None:
+                return kept
+        return memory.newest(headers)
 
     def newest_steps(self, *, replica: bool = False) -> dict[int, int | None]:
         """The newest committed step of each local rank, or with ``replica`` of each rank
@@ -437,9 +430,7 @@ class SlotOwner:
             steps: dict[int, int | None] = {}
             for rank, pair in (self._replicas if replica else self._slots).items():
                 headers = [memory.read_header(seg.view) for seg in pair if seg is not None]
-                committed = [h.step for h in headers
-                             if h is not None and h.state is memory.SlotState.COMMITTED]
-                steps[rank] = max(committed, default=None)
+                steps[rank] = max((h.step for h in headers if memory.committed(h)), default=None)
             return steps
 
     # -- recovery -------------------------------------------------------------------------
@@ -464,9 +455,8 @@ class SlotOwner:
                         continue
                     info = infos[id(segment)]
                     header = info.header
-                    if (info.valid_step is not None and header is not None
-                            and header.run_id == self.run_id[:64]
-                            and header.world_size == world_size and header.rank == rank):
+                    if info.valid_step is not None and memory.committed(
+                            header, rank=rank, world_size=world_size, run_id=self.run_id):
                         steps.append(info.valid_step)
                     elif info.error and not replica and header is not None and (
                             memory.unchanged(segment.view, header)):
@@ -492,10 +482,9 @@ class SlotOwner:
         with self._lock:
             segments = [seg for pairs in (self._slots, self._replicas) for pair in pairs.values()
                         for seg in pair if seg is not None
-                        and (h := memory.read_header(seg.view)) is not None
-                        and h.state is memory.SlotState.COMMITTED
-                        and h.world_size not in (0, world_size)
-                        and h.run_id == self.run_id[:64]]
+                        and memory.committed(h := memory.read_header(seg.view),
+                                             run_id=self.run_id)
+                        and h.world_size not in (0, world_size)]
             with ThreadPoolExecutor(max_workers=max(1, min(len(segments), os.cpu_count() or 1))
                                     ) as pool:
                 infos = list(pool.map(memory.describe, segments))
