@@ -81,7 +81,7 @@ ROOT = "gemini/runs/"
 STORE_EVENTS = frozenset({"launch", "worker_exit", "hang", "restart", "exit", "host_lost",
                           "host_dead", "host_unresponsive", "root_elected", "restore_plan", "no_restart",
                           "round_retry", "member_failed", "avoid_step", "no_progress",
-                          "replicas_diverged"})
+                          "replicas_diverged", "holdings_refused"})
 #: Seconds a probe of a peer's replication port may take: refused is proof that the
 #: peer's supervisor is gone; no answer proves nothing (its lease decides).
 PROBE_TIMEOUT = 0.5
