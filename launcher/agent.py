@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from launcher import torch_boundary
 from launcher.config import TORCHRUN_FIELDS, RunConfig
 from launcher.contract import ENV_HOST_ID, ENV_RUN_DIR, ENV_SUPERVISOR_PID
 from launcher.errors import (
@@ -124,6 +125,7 @@ def launch(config: RunConfig, command: Command, *,
     group fails with no restarts left, and :class:`Interrupted` on a handled signal.
     """
     check_command(config, command)
+    torch_boundary.check()  # before anything patches, subclasses or calls torch's internals
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:

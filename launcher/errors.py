@@ -28,6 +28,12 @@ class UsageError(ConfigError):
     """The command line itself is wrong (missing script, conflicting flags)."""
 
 
+class TorchUnsupportedError(ConfigError):
+    """The installed torch is older than gemini supports, or moved or changed one of the
+    torch internals gemini relies on (``launcher.torch_boundary``). Like other bad input,
+    only a change to the environment helps: another torch release."""
+
+
 class StoreError(GeminiError):
     """The coordination store is unreachable or answered inconsistently."""
 
