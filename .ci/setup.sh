@@ -2,6 +2,8 @@
 # Set up everything gemini needs on a fresh machine; safe to run again (it skips what is there).
 #   bash .ci/setup.sh          -> .venv with torch (CPU build, pinned), gemini, numpy
 #   bash .ci/setup.sh test     -> the same plus the test tools and an etcd server binary
+#   bash .ci/setup.sh compat   -> the test tools without the frameworks (GEMINI_TORCH_VERSION=newest:
+#                                 the newest torch the package index offers)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,16 +31,20 @@ if [ ! -x "$VENV/bin/python" ]; then
     fi
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+if [ "$TORCH_VERSION" = newest ]; then  # tests/run.sh compat: the newest torch on the index
+    say "installing the newest torch"
+    "${PIP[@]}" install --upgrade torch
+elif ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
     say "installing torch==$TORCH_VERSION"
     "${PIP[@]}" install "torch==$TORCH_VERSION"
 fi
 EXTRAS=""
 [ "$WHAT" = test ] && EXTRAS="[test,frameworks]"
+[ "$WHAT" = compat ] && EXTRAS="[test]"
 say "installing gemini (editable) and its dependencies"
 "${PIP[@]}" install numpy -e "$ROOT$EXTRAS"
 
-if [ "$WHAT" = test ] && ! command -v etcd >/dev/null 2>&1; then
+if [ "$WHAT" != demo ] && ! command -v etcd >/dev/null 2>&1; then
     say "installing etcd (Debian package etcd-server)"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq etcd-server etcd-client >/dev/null

@@ -2,10 +2,21 @@
 # Run gemini's whole test suite on a fresh machine: sets up .venv and etcd first.
 # Extra arguments go to pytest, e.g. `bash tests/run.sh -k parity -x`; a first argument
 # `unit` or `integration` runs only tests/unit (seconds) or tests/integration, e.g.
-# `bash tests/run.sh unit -x`.
+# `bash tests/run.sh unit -x`; `compat` runs the unit tests and a kill-and-resume test on
+# the newest torch the package index offers (in .venv-compat).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [ "${1:-}" = compat ]; then
+    # The unit tests (among them the check of every torch internal gemini relies on) and a
+    # kill-and-resume run, on the newest torch the package index offers, in .venv-compat.
+    export GEMINI_VENV="${GEMINI_VENV:-$ROOT/.venv-compat}" GEMINI_TORCH_VERSION=newest
+    bash "$ROOT/.ci/setup.sh" compat
+    cd "$ROOT"
+    "$GEMINI_VENV/bin/python" -c "import torch; print('torch', torch.__version__)"
+    exec "$GEMINI_VENV/bin/python" -m pytest -p no:xdist tests/unit \
+        "tests/integration/test_checkpoint.py::test_kill_resumes_bitwise" "${@:2}"
+fi
 VENV="${GEMINI_VENV:-$ROOT/.venv}"
 bash "$ROOT/.ci/setup.sh" test
 cd "$ROOT"
