@@ -226,7 +226,7 @@ class CopyWorker:
         batches of small tensors (``layout.group_ranges``) and of the large ones.
 
         Small CPU tensors are copied in batches, a checksum per batch (a batch unchanged
-        from a peer's copy is not sent again: see ``replication.transport``); other
+        from a peer's copy is not sent again: see ``replication.reuse``); other
         large CPU tensors go through ``copy_and_hash``. CUDA
         tensors are copied by the GPU on a side stream, once the training stream reaches
         ``ready`` (the event save() recorded), into the pinned slot, while this thread

@@ -44,7 +44,7 @@ from launcher.errors import CheckpointError, ConfigError, ReplicationError, Stor
 from launcher.events import EventLog
 from launcher.files import read_user_file
 from launcher.priority import IdleGate, lower_priority
-from launcher.replication import placement, progress, transport
+from launcher.replication import placement, progress, transport, wire
 from launcher.store import Lease, Store
 
 logger = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def _secret_record(value: bytes | None) -> tuple[bytes, list[int]] | None:
         secret, leases = record["secret"].encode(), record["leases"]
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    if len(secret) < transport.MIN_SECRET or not isinstance(leases, list) or not all(
+    if len(secret) < wire.MIN_SECRET or not isinstance(leases, list) or not all(
             type(lid) is int for lid in leases):
         return None
     return secret, leases
@@ -310,7 +310,7 @@ class ReplicationService:
         self._gate = IdleGate() if pace and IdleGate.available() else None
         self.pushes = 0  # completed pushes (a step of a rank to one holder)
         self.sent = 0  # data bytes pushed
-        self.skipped = 0  # data bytes not pushed: the holders had them (see transport)
+        self.skipped = 0  # data bytes not pushed: the holders had them (see reuse)
         self._running = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._send_loop, name="gemini-replication",

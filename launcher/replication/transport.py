@@ -3,84 +3,27 @@
 A :class:`Server` runs in every supervisor and serves two operations to its peers: PUT (a
 peer pushes the committed slot of one rank; it lands in one of this host's replica slots)
 and GET (a peer asks for a step of a rank this host holds). A :class:`Client` keeps one
-authenticated connection to one peer's server.
-
-Wire protocol (all integers little endian)::
-
-    handshake (fixed sizes, before any frame)
-      client -> server  HELLO    "GEMtrns1" | client nonce (32) | run tag (16)
-      server -> client  WELCOME  "GEMtrns1" | server nonce (32)
-      client -> server  PROOF    client proof (32)
-      server -> client  PROOF    server proof (32)   (only once the client's verified: a
-                                 stranger learns nothing to test guesses of the secret on;
-                                 a rogue server does get the client's proof, so a secret
-                                 file must hold 128 bits: ``service.read_secret_file``)
-      server -> client  frame {"ok": true, "run_id": ...}        (the first sealed frame)
-
-    run tag      = SHA-256("gemini-transport run" | run id)[:16]  (cheap early rejection)
-    X proof      = HMAC-SHA256(secret, "gemini-transport X proof" | len | run id | nonces)
-    session key  = HMAC-SHA256(secret, "gemini-transport session" | len | run id | nonces)
-
-    frame        json_len u32 | blob_len u32 | json | blob | MAC (32)
-    MAC          = HMAC-SHA256(session key, direction | seq u64 | json_len | blob_len |
-                               json | blob); direction is b"c" (to the server) or b"s";
-                   seq counts the frames of one direction of one connection from 0, so a
-                   frame cannot be replayed, reordered or reflected.
-
-    PUT   c: {"op":"put", run_id, rank, step, seq, world_size, data_len, meta_hash, keep,
-             round} + meta; keep: the run's globally restorable step s*, whose replica the
-             server must not overwrite (-1: none known); round: the sender's rendezvous
-             round, refused when the server is in another one (a sender frozen past
-             --host-ttl and woken must not overwrite the current round's replicas); a
-             supervisor's server also refuses ranks it keeps no replica of, steps far
-             from the round's plan and slots far larger than its own (``Admission``)
-          s: {"ok":true} | {"ok":true,"have":true} (already held; nothing follows)
-             | {"ok":true,"skip":[[start,end],...]} (data ranges it filled from its own
-             memory, checksums matched: see "Bytes a peer holds already" below)
-          c: data_len raw bytes, less the skipped ranges (sendfile from the slot's file)
-          c: {"op":"end","stable":bool}     s: {"ok":true,"step":S} | {"ok":true,"aborted":true}
-    GET   c: {"op":"get", rank, step}
-          s: {"ok":true, run_id, rank, step, seq, world_size, data_len, meta_hash} + meta
-          s: data_len raw bytes             s: {"op":"end","stable":bool}
-    PING  c: {"op":"ping"}                 s: {"ok":true,"round":R}   (heartbeats: see
-                                           ``launcher.heartbeat``)
-    any reply may instead be {"ok":false,"error":"..."}
-
-The raw data bytes are not MAC'd (an HMAC would cost more than the copy): the receiver
-verifies every tensor's xxh3 checksum, and the checksums come in the metadata, which is
-inside a MAC'd frame. Secrets never travel; nothing is unpickled; every length is checked
-against a hard limit before anything is allocated; every socket operation has a timeout.
+authenticated connection to one peer's server. What they say to each other (handshake,
+sealed frames, requests and replies, their limits) is :mod:`launcher.replication.wire`;
+which bytes of a push the receiver fills from its own memory instead is
+:mod:`launcher.replication.reuse`. This module holds the connections, with every socket
+operation under a timeout, and the server's and client's behaviour.
 
 Data moves without copies through Python: the sender ``os.sendfile``\\ s from the slot's
 file in ``/dev/shm``, the receiver ``recv_into``\\ s straight into the target slot's mapping.
 A sender re-checks the slot's seqlock (:func:`launcher.memory.unchanged`) after the data
 and tells the receiver to discard bytes that may have been overwritten mid-send.
-
-Bytes a peer holds already are not sent. Data-parallel hosts hold the same parameters
-and optimizer state, bit for bit (and frozen weights stay the same from step to step), so
-before the data of a PUT the receiver looks up every checksummed range of at least
-:data:`REUSE_MIN` bytes among the committed slots it holds (its own ranks' and its
-replicas) by checksum and length, copies each one it finds into the target slot and
-hashes the copy as it lands; only the ranges whose copy matched are skipped. A range
-copied from a slot that was rewritten meanwhile fails its checksum and is sent as usual.
-When the metadata says the state is a data-parallel replica and the receiver's own ranks
-have not yet committed the pushed step (hosts commit the same step at about the same
-time), it waits up to :data:`REUSE_WAIT` seconds for them. The replica is a complete copy
-either way: it is served to a replacement host like any other.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import json
 import logging
 import mmap
 import os
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -90,41 +33,51 @@ from typing import Any, Protocol
 import xxhash
 
 from launcher import memory
-from launcher.errors import CheckpointError, ConfigError, ReplicationError, StorageError
+from launcher.errors import CheckpointError, ReplicationError, StorageError
 from launcher.priority import lower_priority
+from launcher.replication import reuse
+from launcher.replication.wire import (
+    CLIENT_PROOF,
+    FRAME,
+    HELLO,
+    MAC_SIZE,
+    MAGIC,
+    MAX_DATA,
+    MAX_META,
+    NONCE_SIZE,
+    SERVER_PROOF,
+    SESSION,
+    TO_CLIENT,
+    TO_SERVER,
+    WELCOME,
+    GetRequest,
+    PingRequest,
+    PutRequest,
+    Refused,
+    check_secret,
+    derive,
+    frame_lengths,
+    header_run_id,
+    open_frame,
+    parse_hello,
+    parse_reply,
+    parse_request,
+    parse_skip,
+    parse_slot_reply,
+    parse_trailer,
+    parse_welcome,
+    run_tag,
+    seal_frame,
+    slot_message,
+)
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"GEMtrns1"
-NONCE_SIZE = 32
-TAG_SIZE = 16
-MAC_SIZE = 32
-HELLO = struct.Struct(f"<8s{NONCE_SIZE}s{TAG_SIZE}s")
-WELCOME = struct.Struct(f"<8s{NONCE_SIZE}s")
-FRAME = struct.Struct("<II")
-_SEQ = struct.Struct("<Q")
-TO_SERVER = b"c"
-TO_CLIENT = b"s"
-
-MAX_JSON = 64 << 10
-"""Largest JSON part of a frame."""
-MAX_META = 64 << 20
-"""Largest blob (a slot's metadata) of a frame."""
-MAX_DATA = 1 << 46
-"""Largest data length a peer may announce."""
-MAX_RANK = (1 << 31) - 1
-MIN_SECRET = 16
 SEND_CHUNK = 8 << 20
 """Bytes per ``os.sendfile`` call."""
 RECV_LOWAT = 1 << 20
 """A receiver of data wakes up for this many bytes at a time (``SO_RCVLOWAT``), not for
 every packet: wake-ups, not copies, dominate a loopback or virtualised transfer."""
-REUSE_MIN = 256 << 10
-"""A checksummed range of a push at least this large is looked up in the receiver's memory."""
-REUSE_WAIT = 1.0
-"""Seconds a receiver waits for its own ranks to commit the step a data-parallel peer pushes."""
-MAX_SKIP = 2048
-"""Most skipped ranges one reply names (adjacent ranges are merged first)."""
 REPLICA_SLACK = 4
 """A replica slot may be at most this many times this host's largest own slot (see
 :class:`Admission`): gemini's memory model takes a peer's state to be as large as one's own."""
@@ -134,10 +87,6 @@ paced sender goes (``replication.service.MIN_RATE``)."""
 PUSH_GRACE = 10.0
 """Seconds a push's data may take beyond its bytes at :data:`MIN_PUSH_RATE` (pacing waits
 for idle workers up to ``replication.service.MAX_GATE`` seconds first)."""
-
-_SERVER_PROOF = b"gemini-transport server proof"
-_CLIENT_PROOF = b"gemini-transport client proof"
-_SESSION = b"gemini-transport session"
 
 
 class SlotSource(Protocol):
@@ -218,225 +167,6 @@ class _Broken(ReplicationError):
 
 class _Idle(ReplicationError):
     """No frame started within the idle timeout."""
-
-
-class _Refused(ReplicationError):
-    """The peer answered ``ok: false``; the connection is still in step."""
-
-
-# -- frames (pure functions on bytes: no socket involved) -----------------------------
-
-def _mac(key: bytes, direction: bytes, seq: int, head: bytes, body: bytes, blob: bytes) -> bytes:
-    digest = hmac.new(key, direction + _SEQ.pack(seq) + head, hashlib.sha256)
-    digest.update(body)
-    digest.update(blob)
-    return digest.digest()
-
-
-def seal_raw(key: bytes, direction: bytes, seq: int, body: bytes, blob: bytes = b"") -> bytes:
-    """A frame carrying ``body`` (JSON bytes, not checked here) and ``blob``."""
-    if len(body) > MAX_JSON or len(blob) > MAX_META:
-        raise ReplicationError(f"frame too large ({len(body)} + {len(blob)} bytes)")
-    head = FRAME.pack(len(body), len(blob))
-    return head + body + blob + _mac(key, direction, seq, head, body, blob)
-
-
-def seal_frame(key: bytes, direction: bytes, seq: int, message: dict[str, Any],
-               blob: bytes = b"") -> bytes:
-    """The frame number ``seq`` of ``direction`` carrying ``message`` and ``blob``."""
-    body = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
-    return seal_raw(key, direction, seq, body, blob)
-
-
-def frame_lengths(head: bytes) -> tuple[int, int]:
-    """The JSON and blob lengths a frame header announces, checked against the limits."""
-    if len(head) != FRAME.size:
-        raise ReplicationError(f"truncated frame header ({len(head)} bytes)")
-    json_len, blob_len = FRAME.unpack(head)
-    if json_len > MAX_JSON or blob_len > MAX_META:
-        raise ReplicationError(f"oversized frame: {json_len} + {blob_len} bytes announced "
-                               f"(limits {MAX_JSON} + {MAX_META})")
-    return json_len, blob_len
-
-
-def open_frame(key: bytes, direction: bytes, seq: int, frame: bytes) -> tuple[dict[str, Any], bytes]:
-    """Check the MAC of one whole frame and decode it: its JSON object and its blob."""
-    if len(frame) < FRAME.size + MAC_SIZE:
-        raise ReplicationError(f"truncated frame ({len(frame)} bytes)")
-    json_len, blob_len = frame_lengths(frame[:FRAME.size])
-    end = FRAME.size + json_len + blob_len
-    if len(frame) != end + MAC_SIZE:
-        raise ReplicationError(f"frame of {len(frame)} bytes announces {end + MAC_SIZE}")
-    body = frame[FRAME.size:FRAME.size + json_len]
-    blob = frame[FRAME.size + json_len:end]
-    expected = _mac(key, direction, seq, frame[:FRAME.size], body, blob)
-    if not hmac.compare_digest(frame[end:], expected):
-        raise ReplicationError("bad frame MAC (forged, corrupted, replayed or reordered)")
-    return decode_json(body), blob
-
-
-def decode_json(body: bytes) -> dict[str, Any]:
-    """A JSON object from a frame; anything else is a ReplicationError."""
-    try:
-        message = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise ReplicationError(f"malformed frame JSON: {str(exc)[:200]}") from None
-    if not isinstance(message, dict):
-        raise ReplicationError("frame JSON is not an object")
-    return message
-
-
-def _int(message: dict[str, Any], key: str, low: int, high: int) -> int:
-    value = message.get(key)
-    if type(value) is not int or not low <= value <= high:
-        raise ReplicationError(f"invalid {key}: {str(value)[:40]!r} (want an int in [{low}, {high}])")
-    return value
-
-
-def _bool(message: dict[str, Any], key: str) -> bool:
-    value = message.get(key)
-    if not isinstance(value, bool):
-        raise ReplicationError(f"invalid {key}: {str(value)[:40]!r} (want a bool)")
-    return value
-
-
-@dataclass(frozen=True)
-class PutRequest:
-    """A peer offers the committed slot ``header`` describes, with its metadata."""
-
-    header: memory.SlotHeader
-    meta: bytes
-    keep: int = -1
-    """The step whose replica must survive this put (-1: none)."""
-    round: str = ""
-    """The sender's replication round ("": not said)."""
-
-
-@dataclass(frozen=True)
-class GetRequest:
-    """A peer asks for committed ``step`` of ``rank``."""
-
-    rank: int
-    step: int
-
-
-@dataclass(frozen=True)
-class PingRequest:
-    """A peer's heartbeat: is this supervisor answering?"""
-
-
-Request = PutRequest | GetRequest | PingRequest
-
-
-def _slot_fields(message: dict[str, Any], meta: bytes, run_id: str) -> memory.SlotHeader:
-    if message.get("run_id") != run_id:
-        raise ReplicationError(f"run id {str(message.get('run_id'))[:80]!r} is not {run_id!r}")
-    world_size = _int(message, "world_size", 1, MAX_RANK)
-    header = memory.SlotHeader(
-        state=memory.SlotState.COMMITTED,
-        step=_int(message, "step", 0, (1 << 63) - 1),
-        seq=_int(message, "seq", 0, (1 << 64) - 1),
-        rank=_int(message, "rank", 0, world_size - 1),
-        world_size=world_size,
-        data_len=_int(message, "data_len", 0, MAX_DATA),
-        meta_offset=0, meta_len=len(meta),
-        meta_hash=_int(message, "meta_hash", 0, (1 << 64) - 1),
-        capacity=0, run_id=_header_run_id(run_id))
-    if xxhash.xxh3_64_intdigest(meta) != header.meta_hash:
-        raise ReplicationError("metadata does not match its hash")
-    return header
-
-
-def parse_request(message: dict[str, Any], blob: bytes, *, run_id: str) -> Request:
-    """A validated request from a client's frame."""
-    op = message.get("op")
-    if op == "put":
-        keep = _int(message, "keep", -1, (1 << 63) - 1) if "keep" in message else -1
-        round_id = message.get("round", "")
-        if not isinstance(round_id, str) or len(round_id) > 64:
-            raise ReplicationError("invalid round (want a string of at most 64 characters)")
-        return PutRequest(_slot_fields(message, blob, run_id), blob, keep, round_id)
-    if op == "get":
-        if blob:
-            raise ReplicationError("unexpected blob in a get request")
-        return GetRequest(_int(message, "rank", 0, MAX_RANK), _int(message, "step", 0, (1 << 63) - 1))
-    if op == "ping":
-        if blob:
-            raise ReplicationError("unexpected blob in a ping")
-        return PingRequest()
-    raise ReplicationError(f"unknown op {str(op)[:40]!r}")
-
-
-def parse_reply(message: dict[str, Any]) -> dict[str, Any]:
-    """A reply that says ok; raises ReplicationError with the peer's reason otherwise."""
-    ok = _bool(message, "ok")
-    if not ok:
-        error = message.get("error")
-        raise _Refused(f"peer refused: {str(error)[:500]}")
-    return message
-
-
-def parse_slot_reply(message: dict[str, Any], meta: bytes, *, run_id: str, rank: int,
-                     step: int) -> memory.SlotHeader:
-    """The slot a GET reply announces, checked against what was asked."""
-    header = _slot_fields(parse_reply(message), meta, run_id)
-    if header.rank != rank or header.step != step:
-        raise ReplicationError(f"asked for rank {rank} step {step}, got rank {header.rank} "
-                               f"step {header.step}")
-    return header
-
-
-def parse_trailer(message: dict[str, Any]) -> bool:
-    """Whether the sender's slot stayed unchanged while its data was sent."""
-    if message.get("op") != "end":
-        raise ReplicationError(f"expected an end frame, got op {str(message.get('op'))[:40]!r}")
-    return _bool(message, "stable")
-
-
-# -- handshake ------------------------------------------------------------------------
-
-def run_tag(run_id: str) -> bytes:
-    return hashlib.sha256(b"gemini-transport run\0" + run_id.encode()).digest()[:TAG_SIZE]
-
-
-def _derive(secret: bytes, label: bytes, run_id: str, client_nonce: bytes,
-            server_nonce: bytes) -> bytes:
-    rid = run_id.encode()
-    message = label + b"\0" + struct.pack("<I", len(rid)) + rid + client_nonce + server_nonce
-    return hmac.new(secret, message, hashlib.sha256).digest()
-
-
-def parse_hello(data: bytes, *, run_id: str) -> bytes:
-    """The client nonce of a HELLO from a client of ``run_id``."""
-    if len(data) != HELLO.size:
-        raise ReplicationError(f"truncated hello ({len(data)} bytes)")
-    magic, nonce, tag = HELLO.unpack(data)
-    if magic != MAGIC:
-        raise ReplicationError("not a gemini transport client (bad magic)")
-    if not hmac.compare_digest(tag, run_tag(run_id)):
-        raise ReplicationError("client belongs to another run")
-    return bytes(nonce)
-
-
-def parse_welcome(data: bytes) -> bytes:
-    """The server nonce of a WELCOME."""
-    if len(data) != WELCOME.size:
-        raise ReplicationError(f"truncated welcome ({len(data)} bytes)")
-    magic, nonce = WELCOME.unpack(data)
-    if magic != MAGIC:
-        raise ReplicationError("not a gemini transport server (bad magic)")
-    return bytes(nonce)
-
-
-def _check_secret(secret: bytes) -> None:
-    if not isinstance(secret, bytes) or len(secret) < MIN_SECRET:
-        raise ConfigError(f"the transport secret must be at least {MIN_SECRET} bytes",
-                          field="secret")
-
-
-def _header_run_id(run_id: str) -> str:
-    """``run_id`` as a slot header stores it (64 bytes at most)."""
-    return run_id.encode()[:64].decode(errors="replace")
 
 
 # -- socket I/O -----------------------------------------------------------------------
@@ -553,35 +283,6 @@ def _offset(pace: Callable[[int], None] | None, base: int) -> Callable[[int], No
     return None if pace is None else lambda sent: pace(base + sent)
 
 
-def _complement(skip: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
-    """The ranges of ``[0, n)`` outside ``skip`` (sorted, disjoint)."""
-    left, at = [], 0
-    for start, end in skip:
-        if start > at:
-            left.append((at, start))
-        at = end
-    if at < n:
-        left.append((at, n))
-    return left
-
-
-def parse_skip(message: dict[str, Any], data_len: int) -> list[tuple[int, int]]:
-    """The data ranges a PUT reply says the receiver filled itself: sorted, disjoint,
-    within the data."""
-    raw = message.get("skip", [])
-    if not isinstance(raw, list) or len(raw) > MAX_SKIP:
-        raise ReplicationError("invalid skip list")
-    skip, at = [], 0
-    for item in raw:
-        if (not isinstance(item, list) or len(item) != 2
-                or not all(type(x) is int for x in item)
-                or not at <= item[0] < item[1] <= data_len):
-            raise ReplicationError("invalid skip list")
-        skip.append((item[0], item[1]))
-        at = item[1]
-    return skip
-
-
 def _send_file(sock: socket.socket, fd: int, offset: int, count: int, timeout: float, *,
                pace: Callable[[int], None] | None = None) -> None:
     """Send ``count`` bytes of file ``fd`` from ``offset`` with ``os.sendfile``, calling
@@ -658,12 +359,12 @@ def _connect(address: tuple[str, int], *, secret: bytes, run_id: str, timeout: f
         client_nonce = secrets.token_bytes(NONCE_SIZE)
         _sendall(sock, HELLO.pack(MAGIC, client_nonce, run_tag(run_id)), timeout)
         server_nonce = parse_welcome(_recv_exact(sock, WELCOME.size, timeout))
-        _sendall(sock, _derive(secret, _CLIENT_PROOF, run_id, client_nonce, server_nonce), timeout)
+        _sendall(sock, derive(secret, CLIENT_PROOF, run_id, client_nonce, server_nonce), timeout)
         proof = _recv_exact(sock, MAC_SIZE, timeout)
-        expected = _derive(secret, _SERVER_PROOF, run_id, client_nonce, server_nonce)
+        expected = derive(secret, SERVER_PROOF, run_id, client_nonce, server_nonce)
         if not hmac.compare_digest(proof, expected):
             raise ReplicationError(f"{peer} failed authentication (another secret or run id)")
-        key = _derive(secret, _SESSION, run_id, client_nonce, server_nonce)
+        key = derive(secret, SESSION, run_id, client_nonce, server_nonce)
         channel = _Channel(sock, key, outgoing=TO_SERVER, incoming=TO_CLIENT, timeout=timeout)
         parse_reply(channel.recv()[0])
         return channel
@@ -729,98 +430,7 @@ class _SourceFile:
         os.close(self.fd)
 
 
-def _slot_message(header: memory.SlotHeader, run_id: str) -> dict[str, Any]:
-    return {"run_id": run_id, "rank": header.rank, "step": header.step, "seq": header.seq,
-            "world_size": header.world_size, "data_len": header.data_len,
-            "meta_hash": header.meta_hash}
-
-
 # -- server ---------------------------------------------------------------------------
-
-class _HeldBytes:
-    """The large checksummed ranges of the committed slots a host holds (its own ranks'
-    and its replicas), by checksum and length: what a push need not carry (see the
-    module's docstring)."""
-
-    def __init__(self, slots: SlotSource) -> None:
-        self._slots = slots
-        self._lock = threading.Lock()
-        self._ranges: dict[str, tuple[int, dict[tuple[int, int], int]]] = {}  # see _of
-        self._missed: dict[int, bool] = {}  # rank -> nothing of its step was held here
-
-    def _of(self, segment: memory.Segment, header: memory.SlotHeader
-            ) -> dict[tuple[int, int], int]:
-        """``(xxh3, nbytes) -> start`` of the committed step ``header`` describes."""
-        with self._lock:
-            cached = self._ranges.get(segment.name)
-        if cached is not None and cached[0] == header.seq:
-            return cached[1]
-        try:
-            meta = memory.read_meta(segment.view, header)
-            found = {(int(e["xxh3"], 16), int(e["nbytes"])): int(e["offset"])
-                     for e in [*meta["tensors"], *meta.get("blocks", [])]
-                     if e.get("xxh3") is not None and int(e["nbytes"]) >= REUSE_MIN}
-        except (CheckpointError, ValueError, KeyError, TypeError, AttributeError):
-            found = {}
-        with self._lock:
-            self._ranges[segment.name] = (header.seq, found)
-        return found
-
-    def _index(self) -> tuple[dict[tuple[int, int], tuple[memory.Segment, int]], int | None]:
-        """Where each large range is held, and the step every own rank has committed
-        (None: no own ranks)."""
-        index: dict[tuple[int, int], tuple[memory.Segment, int]] = {}
-        newest: list[int] = []
-        for replica in (False, True):
-            for segments in self._slots.segments(replica=replica).values():
-                steps = [-1]
-                for segment in segments:
-                    try:
-                        header = memory.read_header(segment.view)
-                    except ValueError:  # unmapped meanwhile (a regrow)
-                        continue
-                    if header is None or header.state is not memory.SlotState.COMMITTED:
-                        continue
-                    steps.append(header.step)
-                    for key, start in self._of(segment, header).items():
-                        index.setdefault(key, (segment, start))
-                if not replica:
-                    newest.append(max(steps))
-        return index, min(newest, default=None)
-
-    def fill(self, buf: mmap.mmap, header: memory.SlotHeader, verifier: memory.StreamVerifier
-             ) -> list[int]:
-        """Copy into ``buf`` each large range of the pushed step that a held slot has,
-        checking every copy; the indices (in ``verifier.ranges()``) of those that matched."""
-        ranges = verifier.ranges()
-        wanted = [i for i, (start, end, _) in enumerate(ranges) if end - start >= REUSE_MIN]
-        if not wanted:
-            return []
-        meta = verifier.meta
-        replica = meta.get("replicated") is True and meta.get("sharded") is not True
-        wait = REUSE_WAIT if replica and not self._missed.get(header.rank) else 0.0
-        deadline = time.monotonic() + wait
-        while True:
-            index, newest = self._index()
-            hits = [i for i in wanted if (ranges[i][2], ranges[i][1] - ranges[i][0]) in index]
-            if (len(hits) == len(wanted) or newest is None or newest >= header.step
-                    or time.monotonic() >= deadline):
-                break
-            time.sleep(0.01)
-        filled = []
-        for i in hits:
-            start, end, digest = ranges[i]
-            segment, at = index[(digest, end - start)]
-            try:
-                if memory.copy_checked(segment.view, at, buf, start, end - start, digest):
-                    filled.append(i)
-            except ValueError:  # unmapped meanwhile
-                continue
-        if filled or newest is not None and newest >= header.step:
-            # held nothing of it, though the own ranks had the step: not data-parallel
-            self._missed[header.rank] = not filled
-        return filled
-
 
 def _committed(segment: memory.Segment) -> memory.SlotHeader | None:
     """The header of the step ``segment`` holds committed, or None."""
@@ -830,26 +440,6 @@ def _committed(segment: memory.Segment) -> memory.SlotHeader | None:
         return None
     return header if header is not None and header.state is memory.SlotState.COMMITTED else None
 
-
-def _skipped(ranges: list[tuple[int, int, int]], filled: list[int]
-             ) -> tuple[list[tuple[int, int]], list[int]]:
-    """The data ranges to skip on the wire, from the ``filled`` ones (indices into
-    ``ranges``), neighbours merged, at most :data:`MAX_SKIP`; and the starts of the
-    filled ranges they cover (the others are sent after all)."""
-    skip: list[tuple[int, int]] = []
-    covered: list[int] = []
-    last = -2
-    for i in filled:
-        start, end, _ = ranges[i]
-        if i == last + 1 and skip:  # no checksummed range lies between them
-            skip[-1] = (skip[-1][0], end)
-        elif len(skip) < MAX_SKIP:
-            skip.append((start, end))
-        else:
-            break
-        covered.append(start)
-        last = i
-    return skip, covered
 
 class Server:
     """Serves PUT and GET to authenticated peers: one accept thread, one thread per
@@ -875,7 +465,7 @@ class Server:
         pushes are taken (see :attr:`admission`); a push's data must arrive within
         ``push_grace`` seconds plus its bytes at ``min_rate`` bytes/s, so that no slow
         sender holds a rank's replica slots for long."""
-        _check_secret(secret)
+        check_secret(secret)
         self.slots = slots
         self.run_id = run_id
         self.timeout = timeout
@@ -898,7 +488,7 @@ class Server:
         self.push_grace = push_grace
         self._lock = threading.Lock()
         self._rank_locks: dict[int, threading.Lock] = {}
-        self._reuse = _HeldBytes(slots)
+        self._reuse = reuse.HeldBytes(slots)
         self._conns: dict[socket.socket, threading.Thread] = {}
         self._authenticating: dict[str, int] = {}  # source address -> connections
         self._authenticated: dict[socket.socket, str] = {}  # connection -> source address
@@ -1121,12 +711,12 @@ class Server:
         except _Broken as exc:
             raise ReplicationError(f"authentication failed: client hung up ({exc}); it "
                                    f"probably has another secret or run id") from None
-        expected = _derive(self._secret, _CLIENT_PROOF, self.run_id, client_nonce, server_nonce)
+        expected = derive(self._secret, CLIENT_PROOF, self.run_id, client_nonce, server_nonce)
         if not hmac.compare_digest(answer, expected):
             raise ReplicationError("authentication failed: bad client proof (another secret?)")
-        _sendall(conn, _derive(self._secret, _SERVER_PROOF, self.run_id, client_nonce,
-                               server_nonce), left())
-        key = _derive(self._secret, _SESSION, self.run_id, client_nonce, server_nonce)
+        _sendall(conn, derive(self._secret, SERVER_PROOF, self.run_id, client_nonce,
+                              server_nonce), left())
+        key = derive(self._secret, SESSION, self.run_id, client_nonce, server_nonce)
         channel = _Channel(conn, key, outgoing=TO_CLIENT, incoming=TO_SERVER, timeout=self.timeout)
         channel.send({"ok": True, "run_id": self.run_id})
         return channel
@@ -1210,10 +800,10 @@ class Server:
                 self._try_reply(channel, {"ok": False, "error": f"bad metadata: {exc}"})
                 raise ReplicationError(f"rank {header.rank} step {header.step}: bad metadata: "
                                        f"{exc}") from None
-            skip, covered = _skipped(verifier.ranges(), self._reuse.fill(buf, header, verifier))
+            skip, covered = reuse.skipped(verifier.ranges(), self._reuse.fill(buf, header, verifier))
             verifier.trust(covered)
             channel.send({"ok": True, "skip": [list(r) for r in skip]} if skip else {"ok": True})
-            ranges = _complement(skip, header.data_len) if skip else None
+            ranges = reuse.complement(skip, header.data_len) if skip else None
             wanted = sum(end - start for start, end in ranges) if ranges is not None \
                 else header.data_len
             # the whole data within a deadline: a trickle would keep the rank's lock
@@ -1262,7 +852,7 @@ class Server:
                 channel.send(missing)
                 return
             header, meta = snapshot
-            channel.send({"ok": True, **_slot_message(header, self.run_id)}, meta)
+            channel.send({"ok": True, **slot_message(header, self.run_id)}, meta)
             _send_file(channel.sock, source.fd, memory.HEADER_SIZE, header.data_len, self.timeout)
             channel.send({"op": "end", "stable": source.unchanged(header)})
         finally:
@@ -1277,7 +867,7 @@ class Client:
 
     def __init__(self, address: tuple[str, int], *, secret: bytes, run_id: str,
                  timeout: float = 30.0) -> None:
-        _check_secret(secret)
+        check_secret(secret)
         self.address = address
         self.run_id = run_id
         self.timeout = timeout
@@ -1288,7 +878,7 @@ class Client:
         self.sent = 0
         """Data bytes pushed so far."""
         self.skipped = 0
-        """Data bytes the peers already held, so not pushed (see the module's docstring)."""
+        """Data bytes the peers already held, so not pushed (see :mod:`launcher.replication.reuse`)."""
 
     @property
     def peer(self) -> str:
@@ -1323,7 +913,7 @@ class Client:
                                              run_id=self.run_id, timeout=self.timeout)
                 try:
                     return op(self._channel)
-                except _Refused:
+                except Refused:
                     raise
                 except _Broken as exc:
                     self._drop()
@@ -1354,7 +944,7 @@ class Client:
                     snapshot[0].seq, snapshot[0].step) != (expect.seq, expect.step):
                 return None
             header, meta = snapshot
-            if header.run_id != _header_run_id(self.run_id):
+            if header.run_id != header_run_id(self.run_id):
                 raise ReplicationError(f"slot {segment.name} belongs to run {header.run_id!r}")
             if len(meta) > MAX_META or header.data_len > MAX_DATA:
                 raise ReplicationError(f"slot {segment.name} is too large to send")
@@ -1367,14 +957,14 @@ class Client:
     def _push(self, channel: _Channel, source: _SourceFile, header: memory.SlotHeader,
               meta: bytes, pace: Callable[[int], None] | None, keep: int,
               round_id: str) -> int | None:
-        channel.send({"op": "put", **_slot_message(header, self.run_id), "keep": keep,
+        channel.send({"op": "put", **slot_message(header, self.run_id), "keep": keep,
                       "round": round_id}, meta)
         reply = parse_reply(channel.recv()[0])
         if reply.get("have") is True:
             return header.step
         skip = parse_skip(reply, header.data_len)
         sent = 0
-        for start, end in _complement(skip, header.data_len):
+        for start, end in reuse.complement(skip, header.data_len):
             _send_file(channel.sock, source.fd, memory.HEADER_SIZE + start, end - start,
                        self.timeout, pace=_offset(pace, sent))
             sent += end - start
@@ -1434,11 +1024,11 @@ class Client:
                     whole[memory.HEADER_SIZE:memory.HEADER_SIZE + header.data_len] as data:
                 _recv_data(channel.sock, data, self.timeout, verifier)
             if not parse_trailer(channel.recv()[0]):
-                raise _Refused(f"{self.peer}'s slot of rank {rank} step {step} changed while "
+                raise Refused(f"{self.peer}'s slot of rank {rank} step {step} changed while "
                                "sending")
             memory.commit_received(buf, header, meta, verifier)
         except (CheckpointError, StorageError, RecursionError) as exc:
-            raise _Refused(f"rank {rank} step {step} from {self.peer} failed verification: "
+            raise Refused(f"rank {rank} step {step} from {self.peer} failed verification: "
                            f"{exc}") from None
         committed = memory.read_header(buf)
         if committed is None:

@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from launcher.errors import ReplicationError
-from launcher.replication import transport
-from launcher.replication.transport import TO_CLIENT, TO_SERVER, GetRequest, PingRequest
+from launcher.replication import wire
+from launcher.replication.wire import TO_CLIENT, TO_SERVER, GetRequest, PingRequest
 
 KEY = bytes(range(32))
 RUN = "fuzz-run"
@@ -37,15 +37,15 @@ _JSON = st.recursive(_SCALARS, lambda inner: st.one_of(
 _MESSAGES = st.dictionaries(st.one_of(_FIELDS, st.text(max_size=10)), _JSON, max_size=12)
 
 
-def _check_request(request: transport.Request) -> None:
+def _check_request(request: wire.Request) -> None:
     if isinstance(request, PingRequest):
         return
     if isinstance(request, GetRequest):
         assert 0 <= request.rank and 0 <= request.step
         return
     header = request.header
-    assert 0 <= header.rank < header.world_size <= transport.MAX_RANK
-    assert 0 <= header.data_len <= transport.MAX_DATA and len(request.meta) == header.meta_len
+    assert 0 <= header.rank < header.world_size <= wire.MAX_RANK
+    assert 0 <= header.data_len <= wire.MAX_DATA and len(request.meta) == header.meta_len
 
 
 @FAST
@@ -53,21 +53,21 @@ def _check_request(request: transport.Request) -> None:
 def test_a_sealed_frame_opens_once_and_any_change_is_caught(
         message: dict[str, Any], blob: bytes, seq: int, data: st.DataObject) -> None:
     try:
-        frame = transport.seal_frame(KEY, TO_CLIENT, seq, message, blob)
+        frame = wire.seal_frame(KEY, TO_CLIENT, seq, message, blob)
     except ValueError:  # not JSON (an infinite float): the sender refuses it
         return
-    assert transport.open_frame(KEY, TO_CLIENT, seq, frame) == (
+    assert wire.open_frame(KEY, TO_CLIENT, seq, frame) == (
         json.loads(json.dumps(message)), blob)
     for wrong in ((KEY, TO_SERVER, seq), (KEY, TO_CLIENT, (seq + 1) % 2**64),
                   (bytes(32), TO_CLIENT, seq)):
         with pytest.raises(ReplicationError):
-            transport.open_frame(*wrong, frame)
+            wire.open_frame(*wrong, frame)
     position = data.draw(st.integers(0, len(frame) - 1))
     flip = data.draw(st.integers(1, 255))
     changed = bytearray(frame)
     changed[position] ^= flip
     with pytest.raises(ReplicationError):
-        transport.open_frame(KEY, TO_CLIENT, seq, bytes(changed))
+        wire.open_frame(KEY, TO_CLIENT, seq, bytes(changed))
 
 
 @FAST
@@ -75,10 +75,10 @@ def test_a_sealed_frame_opens_once_and_any_change_is_caught(
 def test_any_message_behind_a_valid_mac_is_validated(message: dict[str, Any], blob: bytes) -> None:
     """What a peer that knows the secret may send: only ReplicationError, and whatever
     passes is within the protocol's bounds."""
-    for parse in (lambda: _check_request(transport.parse_request(message, blob, run_id=RUN)),
-                  lambda: transport.parse_reply(message),
-                  lambda: transport.parse_slot_reply(message, blob, run_id=RUN, rank=0, step=1),
-                  lambda: transport.parse_trailer(message)):
+    for parse in (lambda: _check_request(wire.parse_request(message, blob, run_id=RUN)),
+                  lambda: wire.parse_reply(message),
+                  lambda: wire.parse_slot_reply(message, blob, run_id=RUN, rank=0, step=1),
+                  lambda: wire.parse_trailer(message)):
         try:
             parse()
         except ReplicationError:

@@ -23,9 +23,9 @@ from transport_support import SECRET, WORLD, Net, fill, make_meta, net, random_d
 from launcher import memory
 from launcher.errors import ConfigError
 from launcher.events import EventLog
-from launcher.replication import transport
+from launcher.replication import transport, wire
 from launcher.replication.service import ReplicationService, load_secret
-from launcher.replication.transport import HELLO, MAGIC, TO_CLIENT, TO_SERVER, WELCOME
+from launcher.replication.wire import HELLO, MAGIC, TO_CLIENT, TO_SERVER, WELCOME
 from launcher.store import open_store
 
 __all__ = ["net"]  # a fixture (transport_support), used by name
@@ -40,16 +40,15 @@ def _authenticated(address: tuple[str, int], run_id: str, *, source: str = "127.
     """A connection that proved the secret, from ``source`` (another loopback address:
     another host), as a peer with the secret would open it."""
     sock = socket.create_connection(address, timeout=5, source_address=(source, 0))
-    nonce = os.urandom(transport.NONCE_SIZE)
-    sock.sendall(HELLO.pack(MAGIC, nonce, transport.run_tag(run_id)))
-    server_nonce = transport.parse_welcome(transport._recv_exact(sock, WELCOME.size, 5))
-    sock.sendall(transport._derive(secret, transport._CLIENT_PROOF, run_id, nonce, server_nonce))
-    proof = transport._recv_exact(sock, transport.MAC_SIZE, 5)
-    assert hmac.compare_digest(proof, transport._derive(secret, transport._SERVER_PROOF, run_id,
-                                                        nonce, server_nonce))
-    key = transport._derive(secret, transport._SESSION, run_id, nonce, server_nonce)
+    nonce = os.urandom(wire.NONCE_SIZE)
+    sock.sendall(HELLO.pack(MAGIC, nonce, wire.run_tag(run_id)))
+    server_nonce = wire.parse_welcome(transport._recv_exact(sock, WELCOME.size, 5))
+    sock.sendall(wire.derive(secret, wire.CLIENT_PROOF, run_id, nonce, server_nonce))
+    proof = transport._recv_exact(sock, wire.MAC_SIZE, 5)
+    assert hmac.compare_digest(proof, wire.derive(secret, wire.SERVER_PROOF, run_id, nonce, server_nonce))
+    key = wire.derive(secret, wire.SESSION, run_id, nonce, server_nonce)
     channel = transport._Channel(sock, key, outgoing=TO_SERVER, incoming=TO_CLIENT, timeout=5)
-    transport.parse_reply(channel.recv()[0])
+    wire.parse_reply(channel.recv()[0])
     return channel
 
 
@@ -130,9 +129,9 @@ def test_a_trickling_push_does_not_keep_a_rank_from_its_peer(net: Net) -> None:
     header = memory.read_header(source.view)
     assert header is not None
     slow = _authenticated(server.address, net.run_id, source="127.0.0.2")
-    slow.send({"op": "put", **transport._slot_message(header, net.run_id), "keep": -1,
+    slow.send({"op": "put", **wire.slot_message(header, net.run_id), "keep": -1,
                "round": ""}, make_meta(data, 5))
-    assert transport.parse_reply(slow.recv()[0]) == {"ok": True}
+    assert wire.parse_reply(slow.recv()[0]) == {"ok": True}
     stop = threading.Event()
 
     def trickle() -> None:

@@ -11,8 +11,8 @@ import socket
 from transport_support import WORLD, Net, _connect_from, fill, make_meta, net, random_data, wait_for
 
 from launcher import memory
-from launcher.replication import transport
-from launcher.replication.transport import HELLO, MAGIC, TO_SERVER
+from launcher.replication import wire
+from launcher.replication.wire import HELLO, MAGIC, TO_SERVER
 
 __all__ = ["net"]  # a fixture (transport_support), used by name
 
@@ -20,17 +20,17 @@ __all__ = ["net"]  # a fixture (transport_support), used by name
 def test_stalled_peers_do_not_block_others(net: Net) -> None:
     server = net.server(timeout=1.5, handshake_timeout=1.5)
     half_hello = socket.create_connection(server.address, timeout=5)
-    half_hello.sendall(HELLO.pack(MAGIC, os.urandom(32), transport.run_tag(net.run_id))[:10])
+    half_hello.sendall(HELLO.pack(MAGIC, os.urandom(32), wire.run_tag(net.run_id))[:10])
     half_frame = net.channel(server)
-    half_frame.sock.sendall(transport.seal_frame(half_frame._key, TO_SERVER, 0,
-                                                 {"op": "get", "rank": 0, "step": 0})[:12])
+    half_frame.sock.sendall(wire.seal_frame(half_frame._key, TO_SERVER, 0,
+                                            {"op": "get", "rank": 0, "step": 0})[:12])
     data = random_data(100_000, 16)
     source = fill(net.a, 1, 5, data)
     header = memory.read_header(source.view)
     assert header is not None
     half_data = net.channel(server)
-    half_data.send({"op": "put", **transport._slot_message(header, net.run_id)}, make_meta(data, 5))
-    assert transport.parse_reply(half_data.recv()[0]) == {"ok": True}
+    half_data.send({"op": "put", **wire.slot_message(header, net.run_id)}, make_meta(data, 5))
+    assert wire.parse_reply(half_data.recv()[0]) == {"ok": True}
     half_data.sock.sendall(data[:1000])
     # while three peers stall mid-hello, mid-frame and mid-data, another one is served
     assert net.client(server).push(fill(net.a, 0, 1, random_data(100_000, 17))) == 1

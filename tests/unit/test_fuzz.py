@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 from transport_support import SECRET, fill, slot_bytes
 
 from launcher.errors import ReplicationError
-from launcher.replication import transport
-from launcher.replication.transport import (
+from launcher.replication import wire
+from launcher.replication.transport import Client, Server
+from launcher.replication.wire import (
     FRAME,
     HELLO,
     MAC_SIZE,
@@ -29,8 +30,6 @@ from launcher.replication.transport import (
     NONCE_SIZE,
     TO_SERVER,
     WELCOME,
-    Client,
-    Server,
 )
 from launcher.slots import SlotOwner
 
@@ -43,19 +42,19 @@ FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCh
 @given(st.binary(max_size=4 * (FRAME.size + MAC_SIZE)), st.integers(0, 3))
 def test_arbitrary_bytes_never_open_as_a_frame(data: bytes, seq: int) -> None:
     with pytest.raises(ReplicationError):
-        transport.open_frame(KEY, TO_SERVER, seq, data)
+        wire.open_frame(KEY, TO_SERVER, seq, data)
     try:
-        json_len, blob_len = transport.frame_lengths(data[:FRAME.size])
+        json_len, blob_len = wire.frame_lengths(data[:FRAME.size])
     except ReplicationError:
         return
-    assert json_len <= MAX_JSON and blob_len <= transport.MAX_META
+    assert json_len <= MAX_JSON and blob_len <= wire.MAX_META
 
 
 @FAST
 @given(st.binary(max_size=2 * HELLO.size))
 def test_arbitrary_hello_and_welcome(data: bytes) -> None:
-    for parse, size in ((lambda d: transport.parse_hello(d, run_id=RUN), HELLO.size),
-                        (transport.parse_welcome, WELCOME.size)):
+    for parse, size in ((lambda d: wire.parse_hello(d, run_id=RUN), HELLO.size),
+                        (wire.parse_welcome, WELCOME.size)):
         try:
             nonce = parse(data)
         except ReplicationError:
@@ -98,7 +97,7 @@ def test_strangers_never_get_through_the_handshake(
     server, _, _ = live
     if right_tag and len(hello) == HELLO.size:
         magic, nonce, _ = HELLO.unpack(hello)
-        hello = HELLO.pack(magic, nonce, transport.run_tag(server.run_id))
+        hello = HELLO.pack(magic, nonce, wire.run_tag(server.run_id))
     received = b""
     with socket.create_connection(server.address, timeout=5) as sock:
         try:

@@ -36,8 +36,9 @@ from transport_support import (
 
 from launcher import memory
 from launcher.errors import CheckpointError, ConfigError, ReplicationError
-from launcher.replication import transport
-from launcher.replication.transport import (
+from launcher.replication import reuse, transport, wire
+from launcher.replication.transport import Client
+from launcher.replication.wire import (
     FRAME,
     HELLO,
     MAGIC,
@@ -45,7 +46,6 @@ from launcher.replication.transport import (
     MAX_META,
     TO_CLIENT,
     TO_SERVER,
-    Client,
     GetRequest,
     PutRequest,
 )
@@ -134,16 +134,28 @@ def test_a_data_parallel_push_waits_briefly_for_the_receivers_own_step(net: Net)
 def test_skipped_ranges_are_merged_bounded_and_checked() -> None:
     ranges = [(0, 10, 1), (16, 30, 2), (30, 50, 3), (64, 80, 4)]
     # neighbours merge over the padding between them, never over a range to be sent
-    assert transport._skipped(ranges, [0, 2, 3]) == ([(0, 10), (30, 80)], [0, 30, 64])
-    many = [(10 * i, 10 * i + 5, i) for i in range(2 * transport.MAX_SKIP + 10)]
-    skip, covered = transport._skipped(many, list(range(0, len(many), 2)))  # none adjacent
-    assert len(skip) == len(covered) == transport.MAX_SKIP  # the rest is sent
-    assert transport._complement([(16, 50), (64, 80)], 90) == [(0, 16), (50, 64), (80, 90)]
-    assert transport.parse_skip({"skip": [[0, 5], [5, 9]]}, 10) == [(0, 5), (5, 9)]
+    assert reuse.skipped(ranges, [0, 2, 3]) == ([(0, 10), (30, 80)], [0, 30, 64])
+    many = [(10 * i, 10 * i + 5, i) for i in range(2 * wire.MAX_SKIP + 10)]
+    skip, covered = reuse.skipped(many, list(range(0, len(many), 2)))  # none adjacent
+    assert len(skip) == len(covered) == wire.MAX_SKIP  # the rest is sent
+    assert reuse.complement([(16, 50), (64, 80)], 90) == [(0, 16), (50, 64), (80, 90)]
+    assert wire.parse_skip({"skip": [[0, 5], [5, 9]]}, 10) == [(0, 5), (5, 9)]
     for bad in ([[5, 9], [0, 5]], [[0, 11]], [[3, 3]], [[0, "5"]], [[0, 5, 6]], {"a": 1},
-                [[0, 1]] * (transport.MAX_SKIP + 1), [[-1, 4]], [[0, True]]):
+                [[0, 1]] * (wire.MAX_SKIP + 1), [[-1, 4]], [[0, True]]):
         with pytest.raises(ReplicationError, match="invalid skip list"):
-            transport.parse_skip({"skip": bad}, 10)
+            wire.parse_skip({"skip": bad}, 10)
+
+
+def test_only_large_checksummed_ranges_are_looked_up() -> None:
+    big = reuse.REUSE_MIN
+    meta = {"tensors": [{"xxh3": "00000000000000ff", "nbytes": big, "offset": 4096},
+                        {"xxh3": "0000000000000001", "nbytes": big - 1, "offset": 0},
+                        {"xxh3": None, "nbytes": 2 * big, "offset": 8192}],
+            "blocks": [{"xxh3": "000000000000000a", "nbytes": 3 * big, "offset": 0}]}
+    assert reuse.reusable(meta) == {(0xff, big): 4096, (0xa, 3 * big): 0}
+    assert reuse.reusable({"tensors": []}) == {}  # a slot with no blocks
+    with pytest.raises(KeyError):
+        reuse.reusable({"blocks": []})
 
 
 def test_repeated_pushes_alternate_the_double_buffer(net: Net) -> None:
@@ -278,11 +290,10 @@ def test_other_run_is_rejected(net: Net) -> None:
     net.wait_reject("another run")
     # the run id is also bound into the proofs, not only into the run tag
     with socket.create_connection(server.address, timeout=5) as sock:
-        nonce = os.urandom(transport.NONCE_SIZE)
-        sock.sendall(HELLO.pack(MAGIC, nonce, transport.run_tag(net.run_id)))
-        server_nonce = transport.parse_welcome(transport._recv_exact(sock, transport.WELCOME.size, 5))
-        sock.sendall(transport._derive(SECRET, transport._CLIENT_PROOF, "another-run", nonce,
-                                       server_nonce))
+        nonce = os.urandom(wire.NONCE_SIZE)
+        sock.sendall(HELLO.pack(MAGIC, nonce, wire.run_tag(net.run_id)))
+        server_nonce = wire.parse_welcome(transport._recv_exact(sock, wire.WELCOME.size, 5))
+        sock.sendall(wire.derive(SECRET, wire.CLIENT_PROOF, "another-run", nonce, server_nonce))
         assert sock.recv(1) == b""
     net.wait_reject("bad client proof")
     assert net.replica_steps() == [] and net.replicas == []
@@ -293,11 +304,11 @@ def test_the_server_proves_nothing_to_a_stranger(net: Net) -> None:
     derived from the secret to test guesses of a weak --secret-file against."""
     server = net.server()
     with socket.create_connection(server.address, timeout=5) as sock:
-        nonce = os.urandom(transport.NONCE_SIZE)
-        sock.sendall(HELLO.pack(MAGIC, nonce, transport.run_tag(net.run_id)))
-        welcome = transport._recv_exact(sock, transport.WELCOME.size, 5)
-        assert welcome.startswith(MAGIC) and len(welcome) == len(MAGIC) + transport.NONCE_SIZE
-        sock.sendall(os.urandom(transport.MAC_SIZE))  # a guess
+        nonce = os.urandom(wire.NONCE_SIZE)
+        sock.sendall(HELLO.pack(MAGIC, nonce, wire.run_tag(net.run_id)))
+        welcome = transport._recv_exact(sock, wire.WELCOME.size, 5)
+        assert welcome.startswith(MAGIC) and len(welcome) == len(MAGIC) + wire.NONCE_SIZE
+        sock.sendall(os.urandom(wire.MAC_SIZE))  # a guess
         assert sock.recv(64) == b""  # closed: no proof of the server's
     net.wait_reject("bad client proof")
 
@@ -314,8 +325,8 @@ def test_connection_dropped_mid_data_keeps_the_committed_replica(net: Net) -> No
     assert header is not None
     meta = make_meta(data, 2)
     channel = net.channel(server)
-    channel.send({"op": "put", **transport._slot_message(header, net.run_id)}, meta)
-    assert transport.parse_reply(channel.recv()[0]) == {"ok": True}
+    channel.send({"op": "put", **wire.slot_message(header, net.run_id)}, meta)
+    assert wire.parse_reply(channel.recv()[0]) == {"ok": True}
     channel.sock.sendall(data[:100_000])
     channel.close()
     net.wait_reject("truncated data")
@@ -328,7 +339,7 @@ def test_connection_dropped_mid_data_keeps_the_committed_replica(net: Net) -> No
 def test_truncated_frame_is_rejected(net: Net) -> None:
     server = net.server()
     channel = net.channel(server)
-    frame = transport.seal_frame(channel._key, TO_SERVER, 0, {"op": "get", "rank": 0, "step": 1})
+    frame = wire.seal_frame(channel._key, TO_SERVER, 0, {"op": "get", "rank": 0, "step": 1})
     channel.sock.sendall(frame[:len(frame) - 5])
     channel.sock.shutdown(socket.SHUT_WR)
     net.wait_reject("truncated frame")
@@ -369,8 +380,8 @@ def test_random_bytes_are_rejected(net: Net, when: str) -> None:
     else:
         sock = socket.create_connection(server.address, timeout=5)
         if when == "after-welcome":
-            sock.sendall(HELLO.pack(MAGIC, os.urandom(32), transport.run_tag(net.run_id)))
-            transport._recv_exact(sock, transport.WELCOME.size, 5)
+            sock.sendall(HELLO.pack(MAGIC, os.urandom(32), wire.run_tag(net.run_id)))
+            transport._recv_exact(sock, wire.WELCOME.size, 5)
     try:
         sock.sendall(junk)
     except OSError:
@@ -402,7 +413,7 @@ def test_an_announced_frame_costs_memory_only_as_it_arrives(net: Net) -> None:
     channel = net.channel(server)
     tracemalloc.start()
     try:
-        channel.sock.sendall(FRAME.pack(100, transport.MAX_META) + b"x" * 10_000)
+        channel.sock.sendall(FRAME.pack(100, wire.MAX_META) + b"x" * 10_000)
         time.sleep(0.5)  # the server's connection thread reads what arrived
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -414,18 +425,18 @@ def test_an_announced_frame_costs_memory_only_as_it_arrives(net: Net) -> None:
 def test_forged_and_replayed_frames_are_rejected(net: Net) -> None:
     server = net.server()
     channel = net.channel(server)
-    frame = transport.seal_frame(channel._key, TO_SERVER, 0, {"op": "get", "rank": 0, "step": 1})
+    frame = wire.seal_frame(channel._key, TO_SERVER, 0, {"op": "get", "rank": 0, "step": 1})
     channel.sock.sendall(frame)
-    reply, _ = transport.open_frame(channel._key, TO_CLIENT, 1, transport._recv_exact(
+    reply, _ = wire.open_frame(channel._key, TO_CLIENT, 1, transport._recv_exact(
         channel.sock, FRAME.size + len(json.dumps(
             {"ok": False, "error": "rank 0 step 1 is not held here"}, separators=(",", ":")))
-        + transport.MAC_SIZE, 5))
+        + wire.MAC_SIZE, 5))
     assert reply["ok"] is False
     channel.sock.sendall(frame)  # the same frame again: its sequence number is stale
     net.wait_reject("bad frame MAC")
     channel.close()
     forger = net.channel(server)
-    forger.sock.sendall(transport.seal_frame(os.urandom(32), TO_SERVER, 0, {"op": "get"}))
+    forger.sock.sendall(wire.seal_frame(os.urandom(32), TO_SERVER, 0, {"op": "get"}))
     assert wait_for(lambda: net.reasons().count("bad frame MAC") == 2)
     forger.close()
 
@@ -444,17 +455,17 @@ def test_invalid_requests_are_refused(net: Net) -> None:
         channel = net.channel(server)
         channel.send(message, meta)
         with pytest.raises(ReplicationError, match="bad request"):
-            transport.parse_reply(channel.recv()[0])
+            wire.parse_reply(channel.recv()[0])
         assert wait_for(lambda: len(net.rejects) == n)  # noqa: B023
         channel.close()
     # a well-formed request too big for this host is refused; the connection stays usable
     channel = net.channel(server)
     channel.send({**good, "data_len": 1 << 45}, meta)
     with pytest.raises(ReplicationError, match="no slot"):
-        transport.parse_reply(channel.recv()[0])
+        wire.parse_reply(channel.recv()[0])
     channel.send({"op": "get", "rank": 0, "step": 1})
     with pytest.raises(ReplicationError, match="not held"):
-        transport.parse_reply(channel.recv()[0])
+        wire.parse_reply(channel.recv()[0])
     channel.close()
     assert len(net.rejects) == len(bad) and net.replica_steps() == [] and net.replicas == []
 
@@ -603,10 +614,10 @@ _VALUES: list[Any] = [None, True, False, 0, -1, 1, 2**63, 2**64, 2**70, -(2**70)
 
 
 def _parse_everything(message: dict[str, Any], blob: bytes, run_id: str) -> None:
-    for parse in (lambda: transport.parse_request(message, blob, run_id=run_id),
-                  lambda: transport.parse_reply(message),
-                  lambda: transport.parse_slot_reply(message, blob, run_id=run_id, rank=0, step=1),
-                  lambda: transport.parse_trailer(message)):
+    for parse in (lambda: wire.parse_request(message, blob, run_id=run_id),
+                  lambda: wire.parse_reply(message),
+                  lambda: wire.parse_slot_reply(message, blob, run_id=run_id, rank=0, step=1),
+                  lambda: wire.parse_trailer(message)):
         try:
             parse()
         except ReplicationError:
@@ -627,14 +638,14 @@ def test_frame_parser_fuzz() -> None:  # noqa: C901
           "data_len": 3, "meta_hash": xxhash.xxh3_64_intdigest(meta)}, meta),
         ({"ok": False, "error": "no"}, b""),
     ]
-    frames = [transport.seal_frame(key, TO_SERVER, 5, m, b) for m, b in messages]
+    frames = [wire.seal_frame(key, TO_SERVER, 5, m, b) for m, b in messages]
     for frame, (message, blob) in zip(frames, messages, strict=True):
-        assert transport.open_frame(key, TO_SERVER, 5, frame) == (message, blob)
+        assert wire.open_frame(key, TO_SERVER, 5, frame) == (message, blob)
         for seq, direction in ((4, TO_SERVER), (6, TO_SERVER), (5, TO_CLIENT)):
             with pytest.raises(ReplicationError, match="MAC"):
-                transport.open_frame(key, direction, seq, frame)
-    assert isinstance(transport.parse_request(*messages[0], run_id=run_id), PutRequest)
-    assert transport.parse_request(*messages[1], run_id=run_id) == GetRequest(1, 2)
+                wire.open_frame(key, direction, seq, frame)
+    assert isinstance(wire.parse_request(*messages[0], run_id=run_id), PutRequest)
+    assert wire.parse_request(*messages[1], run_id=run_id) == GetRequest(1, 2)
 
     start = time.monotonic()
     outcomes = {"rejected": 0, "accepted": 0}
@@ -644,14 +655,14 @@ def test_frame_parser_fuzz() -> None:  # noqa: C901
         else:
             data = _mutate(rng, rng.choice(frames))
         try:
-            transport.open_frame(key, TO_SERVER, 5, data)
+            wire.open_frame(key, TO_SERVER, 5, data)
             outcomes["accepted"] += 1
             assert data in frames  # only an unmodified frame passes the MAC
         except ReplicationError:
             outcomes["rejected"] += 1
-        for parse in (lambda: transport.parse_hello(data[:HELLO.size], run_id=run_id),  # noqa: B023
-                      lambda: transport.parse_welcome(data[:transport.WELCOME.size]),  # noqa: B023
-                      lambda: transport.frame_lengths(data[:FRAME.size])):  # noqa: B023
+        for parse in (lambda: wire.parse_hello(data[:HELLO.size], run_id=run_id),  # noqa: B023
+                      lambda: wire.parse_welcome(data[:wire.WELCOME.size]),  # noqa: B023
+                      lambda: wire.frame_lengths(data[:FRAME.size])):  # noqa: B023
             try:
                 parse()
             except ReplicationError:
@@ -670,15 +681,15 @@ def test_frame_parser_fuzz() -> None:  # noqa: C901
             body = json.dumps(changed).encode()
         if rng.random() < 0.2:
             blob = _mutate(rng, blob)
-        frame = transport.seal_raw(key, TO_CLIENT, i, body, blob)
+        frame = wire.seal_raw(key, TO_CLIENT, i, body, blob)
         try:
-            opened, opened_blob = transport.open_frame(key, TO_CLIENT, i, frame)
+            opened, opened_blob = wire.open_frame(key, TO_CLIENT, i, frame)
         except ReplicationError:
             continue
         _parse_everything(opened, opened_blob, run_id)
     deep = b"[" * 50_000 + b"]" * 50_000
     with pytest.raises(ReplicationError):
-        transport.decode_json(deep[:MAX_JSON])
+        wire.decode_json(deep[:MAX_JSON])
     assert time.monotonic() - start < 10
 
 
@@ -714,7 +725,7 @@ def test_a_flood_of_bad_hellos_is_reported_in_a_few_lines(net: Net) -> None:
     server = net.server()
     for _ in range(100):
         sock = _connect_from("127.0.0.3", server.address)
-        sock.sendall(b"\x00" * transport.HELLO.size)
+        sock.sendall(b"\x00" * wire.HELLO.size)
         sock.settimeout(5)
         try:
             sock.recv(1)
