@@ -193,20 +193,11 @@ def _prepare_rendezvous(config: RunConfig, launch_config: Any, entrypoint: Any,
     from torch.distributed import DistError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
-    from launcher import rendezvous_state
-    from launcher.rendezvous import (
-        STORE_TIMEOUT_KEY,
-        bind_rendezvous_store,
-        register,
-        set_credentials,
-        speed_up_rendezvous,
-    )
+    from launcher.rendezvous import STORE_TIMEOUT_KEY, set_credentials
 
-    rendezvous_state.install()  # no pickle read from a rendezvous store (see there)
-    bind_rendezvous_store()
-    speed_up_rendezvous(single_node=launch_config.max_nodes == 1)
+    torch_boundary.apply(single_node=launch_config.max_nodes == 1,
+                         etcd_v3=launch_config.rdzv_backend == "etcd-v3")
     if launch_config.rdzv_backend == "etcd-v3":
-        register()
         launch_config.rdzv_configs.setdefault(STORE_TIMEOUT_KEY, config.store_timeout)
         set_credentials(launch_config.rdzv_configs, config.store_credentials)
     try:

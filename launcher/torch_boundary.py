@@ -328,6 +328,24 @@ def check() -> None:
             raise TorchUnsupportedError(f"torch {torch.__version__} {wrong}: {supported()}")
 
 
+def apply(*, single_node: bool, etcd_v3: bool) -> None:
+    """:func:`check` torch, then change it where gemini must, for this process: no pickle
+    read from a rendezvous store (``rendezvous_state``), the c10d store bound to its
+    endpoint's address, faster and steadier rendezvous rounds with the last round's members
+    first, and with ``etcd_v3`` gemini's etcd-v3 rendezvous backend (``rendezvous``).
+    Idempotent. Two changes belong to objects made later and are made with them: the
+    standby handler torch starts workers through (``standby.install``, with the host's
+    pool) and the agent's monitor clock (``elastic_agent.GeminiAgent``)."""
+    check()
+    from launcher import rendezvous, rendezvous_state
+
+    rendezvous_state.install()
+    rendezvous.bind_rendezvous_store()
+    rendezvous.speed_up_rendezvous(single_node=single_node)
+    if etcd_v3:
+        rendezvous.register()
+
+
 def class_names(cls: Any) -> frozenset[str]:
     """Every name that ``cls`` and its bases define or that their code uses: attribute
     names (``self.x``) and the strings their code holds (``object.__setattr__(self, "x")``).
