@@ -503,7 +503,7 @@ def _run_secret(config: RunConfig, launch_config: Any, store: GeminiStore,
     for a multi-host job on embedded stores without a secret file: its rendezvous state
     is then JSON that runs no code but is not signed, and replication cannot connect."""
     from launcher import rendezvous_state
-    from launcher.replication.service import load_secret
+    from launcher.replication.service import hold_secret, load_secret
 
     shared = config.store.startswith("etcd://") or launch_config.max_nodes == 1
     if not config.secret_file and not shared:
@@ -515,7 +515,13 @@ def _run_secret(config: RunConfig, launch_config: Any, store: GeminiStore,
     else:  # a stored secret is held with this host's lease: a crashed run's is not reused
         secret = load_secret(config.secret_file, store, launch_config.run_id,
                              lease=coordination.lease)
-        coordination.holds_secret = not config.secret_file
+        if not config.secret_file:
+            run_id = launch_config.run_id
+
+            def rehold(lease: Any, replaces: int) -> None:
+                hold_secret(store, run_id, lease, replaces=replaces)
+
+            coordination.rehold_secret = rehold
     rendezvous_state.use_secret(secret, launch_config.run_id)
     return secret
 

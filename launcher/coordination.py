@@ -156,9 +156,10 @@ class CoordinationService:
         self._taken_over: set[str] = set()
         self.standby_ready: Callable[[], bool] | None = None
         """Whether this host's standby workers wait with torch imported (None: none kept)."""
-        self.holds_secret = False
-        """Whether this host holds the run's stored secret with its lease
-        (``launcher.replication.service.load_secret``): a new lease takes the hold over."""
+        self.rehold_secret: Callable[[Lease, int], None] | None = None
+        """Where this host holds the run's stored secret with its lease
+        (``launcher.replication.service.load_secret``): moves the hold to a new lease
+        (the new lease, the id of the one it replaces)."""
         self.on_lost: Callable[[], None] | None = None
         """Called (from a background thread) whenever a host is found lost."""
         self.on_failed: Callable[[str, int, bool], None] | None = None
@@ -617,10 +618,8 @@ class CoordinationService:
                     self._keeper = self.store.keep_alive(self._lease)
                     self.is_root = False
                     self._register()
-                    if self.holds_secret:
-                        from launcher.replication.service import hold_secret  # imports this
-
-                        hold_secret(self.store, self.run_id, self._lease, replaces=expired.id)
+                    if self.rehold_secret is not None:
+                        self.rehold_secret(self._lease, expired.id)
                 slot_bytes = self.owner.own_slot_bytes()
                 with self._lock:
                     if slot_bytes:

@@ -68,6 +68,44 @@ def test_the_replication_secret_lives_as_long_as_the_run(tmp_path: Path) -> None
         reader.close()
 
 
+def test_a_host_whose_lease_was_lost_holds_the_secret_with_its_new_one(tmp_path: Path) -> None:
+    """A supervisor whose lease ended (a store outage longer than the TTL) registers with a
+    new lease and moves its hold on the run's secret to it (``rehold_secret``, as
+    ``gemini run`` sets it): the secret record names the new lease, not the old one."""
+    from launcher.coordination import CoordinationService, secret_key
+    from launcher.replication.service import hold_secret, load_secret
+    from launcher.slots import SlotOwner
+    from launcher.store import open_store
+
+    url = f"embedded://{tmp_path / 'store.db'}"
+    run_id = f"rehold-{tmp_path.name}"
+    store, reader = open_store(url), open_store(url)
+    owner = SlotOwner(run_id=run_id, host_id="h0", local_world_size=1)
+    service = CoordinationService(store, run_id=run_id, host_id="h0", owner=owner, ttl=1.0)
+    try:
+        old = service.lease
+        secret = load_secret("", store, run_id, lease=old)
+        service.rehold_secret = lambda lease, replaces: hold_secret(store, run_id, lease,
+                                                                    replaces=replaces)
+        reader.revoke_lease(old.id)
+        deadline = time.monotonic() + 10
+        while service.lease.id == old.id and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert service.lease.id != old.id
+        while time.monotonic() < deadline:
+            record = json.loads(reader.get(secret_key(run_id)) or b"{}")
+            if service.lease.id in record.get("leases", []):
+                break
+            time.sleep(0.05)
+        assert record["secret"].encode() == secret
+        assert record["leases"] == [service.lease.id]
+    finally:
+        service.close()
+        owner.close()
+        store.close()
+        reader.close()
+
+
 def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Path) -> None:
     """Three supervisors' coordination services on one store, and a spare. h1 stops
     listening where its replication server was (its supervisor died); h0 declares it
