@@ -31,6 +31,14 @@ PARALLEL=()
 [ "$JOBS" != 0 ] && PARALLEL=(-n "$JOBS" --dist worksteal)
 "$VENV/bin/python" -m pytest "${PARALLEL[@]}" --durations=60 "$@"
 rc=$?
+if [ "$rc" -eq 1 ] && [ "$JOBS" != 0 ]; then
+    # A test that failed while another one ran beside it (both share two cores: timing)
+    # runs once more alone; the suite fails if it fails again. Its first failure stays
+    # above, in the log.
+    echo "tests/run.sh: running the tests that failed in the parallel run again, alone" >&2
+    "$VENV/bin/python" -m pytest --last-failed --last-failed-no-failures none "$@"
+    rc=$?
+fi
 set -e
 if [ "$rc" -eq 5 ]; then
     echo "tests/run.sh: pytest collected no tests; failing on purpose" >&2
