@@ -56,7 +56,7 @@ def _tensor_leaf(tensor: torch.Tensor, path: str, tensors: list[tuple[str, torch
     if type(tensor) in _PLAIN_TENSORS or not is_dtensor(tensor):
         tensors.append((path, tensor))
         return {"__tensor__": len(tensors) - 1}
-    tensors.append((path, tensor.to_local()))  # type: ignore[attr-defined]
+    tensors.append((path, local_shard(tensor)))
     return {"__dtensor__": len(tensors) - 1,
             "mesh": _mesh_key(tensor.device_mesh),  # type: ignore[attr-defined]
             "placements": [_placement(p, path) for p in tensor.placements],  # type: ignore[attr-defined]
