@@ -92,6 +92,7 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
     spares = [f"{name} ({'ready' if name in ready else 'warming up'})"
               for name in map(_plain, status.get("spares") or [])]
     console.print(_text(_recoverable(status.get("replication"), spares)))
+    _render_goodput(console, status.get("goodput"))
     ranks = Table(title="newest step per rank and tier")
     for column in ("rank", "host", "memory", "peer replicas", "lag", "persisted"):
         ranks.add_column(column)
@@ -113,6 +114,52 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
             events.add_row(_clock(e.get("ts", 0)), _text(e.get("host", "")),
                            _text(e.get("event", "")), _text(_short(detail)))
         console.print(events)
+
+
+#: The parts of a run's wall time as ``gemini status`` draws them (launcher.goodput).
+_PARTS = (("useful", "green"), ("redone", "red"), ("checkpoint", "cyan"),
+          ("detection", "magenta"), ("rendezvous", "yellow"), ("start_up", "blue"),
+          ("restore", "bright_blue"), ("waiting", "bright_black"), ("other", "white"))
+_BAR = 60
+
+
+def _render_goodput(console: Any, goodput: object) -> None:
+    """ETTR, a bar of where the wall time went, and the table of its parts (nothing
+    before the run's first worker started)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    wall = _number(goodput.get("wall_s")) if isinstance(goodput, dict) else None
+    if not wall or not isinstance(goodput, dict):
+        return
+    lost = goodput.get("lost_s")
+    lost = lost if isinstance(lost, dict) else {}
+    seconds = {"useful": _number(goodput.get("useful_s")) or 0.0,
+               **{part: _number(lost.get(part)) or 0.0 for part, _ in _PARTS[1:]}}
+    ettr = _number(goodput.get("ettr"))
+    bar = Text()
+    for part, colour in _PARTS:
+        bar.append("█" * round(_BAR * seconds[part] / wall), style=colour)
+    console.print(Text.assemble(
+        ("goodput ", "bold"), ("-" if ettr is None else f"{100 * ettr:.1f}%", "bold"),
+        f" ETTR over {_duration(wall)}, {_plain(goodput.get('failures', 0))} restarts, "
+        f"step {1000 * (_number(goodput.get('step_s')) or 0.0):.1f} ms (median), "
+        f"as host {_plain(goodput.get('host'))} counts it"))
+    console.print(bar)
+    table = Table(title="where the time went")
+    for column in ("part", "seconds", "share"):
+        table.add_column(column)
+    for part, colour in _PARTS:
+        table.add_row(Text(part.replace("_", "-"), style=colour), f"{seconds[part]:.1f}",
+                      f"{100 * seconds[part] / wall:.1f}%")
+    console.print(table)
+
+
+def _duration(seconds: float) -> str:
+    minutes, rest = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{rest:02d}s" if hours else (
+        f"{minutes}m{rest:02d}s" if minutes else f"{seconds:.1f} s")
 
 
 def _plain(value: object) -> str:

@@ -247,6 +247,7 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
     interpreters; what was opened is closed again when a later one fails."""
     from launcher.config import default_store_url
     from launcher.coordination import CoordinationService
+    from launcher.goodput import GoodputService
     from launcher.health import HealthService
     from launcher.rendezvous import drop_gone_nodes
     from launcher.slots import SlotOwner
@@ -278,6 +279,9 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
         health = HealthService(owner.prefix, launch_config.nproc_per_node,
                                hang_timeout=config.hang_timeout, events=events)
         services.append(health)
+        goodput = GoodputService(health.progress, events, coordination.goodput_records)
+        services.append(goodput)
+        coordination.goodput = goodput.record
         if memory.persist is not None:
             coordination.persist_status = memory.persist.status
         if memory.replication is not None:

@@ -17,6 +17,8 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
     failed/<host>           JSON: the rendezvous round in which ``host``'s workers failed
                             and it restarts them (bound to its lease): every member of
                             that round restarts at once (``report_failure``)
+    goodput/<host>          JSON: the run's goodput ledger as ``host`` keeps it
+                            (``launcher.goodput``), written every GOODPUT_EVERY seconds
     suspects/<host>/<by>    "1", bound to ``by``'s lease: ``by`` gets no heartbeat answer
                             from ``host`` (``launcher.heartbeat``; a majority makes it lost)
     events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...);
@@ -110,6 +112,9 @@ def watchers(host: str, hosts: Iterable[str], fanout: int = FANOUT) -> list[str]
     return [ring[(at - k) % len(ring)] for k in range(1, min(fanout, len(ring) - 1) + 1)]
 
 
+#: Seconds between two writes of a host's goodput ledger (and one as it leaves).
+GOODPUT_EVERY = 2.0
+
 #: Events kept in the store per run (the root deletes older ones); ``gemini status``
 #: shows the latest, and every host's events.jsonl keeps them all.
 STORE_EVENT_LIMIT = 500
@@ -160,6 +165,10 @@ class CoordinationService:
         """Where this host holds the run's stored secret with its lease
         (``launcher.replication.service.load_secret``): moves the hold to a new lease
         (the new lease, the id of the one it replaces)."""
+        self.goodput: Callable[[], dict[str, Any] | None] | None = None
+        """This host's goodput ledger as of now (``GoodputService.record``), published
+        every :data:`GOODPUT_EVERY` seconds."""
+        self._goodput_at = 0.0  # monotonic time of its last publication
         self.on_lost: Callable[[], None] | None = None
         """Called (from a background thread) whenever a host is found lost."""
         self.on_failed: Callable[[str, int, bool], None] | None = None
@@ -432,6 +441,7 @@ class CoordinationService:
             return
         try:
             self._publish_steps()
+            self._publish_goodput(force=True)
             self._flush()
             self._put_record()
             self._lease.revoke()
@@ -630,6 +640,7 @@ class CoordinationService:
                     self._reserve_ahead()
                     self._record_readiness()
                 self._publish_steps()
+                self._publish_goodput()
                 self._flush()
                 self._campaign()
             except StoreError as exc:
@@ -684,6 +695,24 @@ class CoordinationService:
             if self._published.get(key) != step:
                 self.store.put(self.prefix + key, _dump({"step": step, "updated": time.time()}))
                 self._published[key] = step
+
+    def _publish_goodput(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.goodput is None or (not force and now - self._goodput_at < GOODPUT_EVERY):
+            return
+        record = self.goodput()
+        if record is not None:
+            self.store.put(self.prefix + f"goodput/{self.host_id}", _dump(record))
+        self._goodput_at = now
+
+    def goodput_records(self) -> list[dict[str, Any]]:
+        """Every host's goodput ledger of the run as stored (read once, as a supervisor
+        starts: it goes on from the newest; [] when the store cannot say)."""
+        try:
+            values = self.store.get_prefix(self.prefix + "goodput/").values()
+        except StoreError:
+            return []
+        return [record for value in values if (record := _parse_record(value))]
 
     def _flush(self) -> None:
         pending: list[tuple[str, bytes]] = []
@@ -752,6 +781,8 @@ class RunStatus:
     replication: dict[str, Any] | None = None
     """The replication plan: ``sstar``, ``target``, ``every``, ``lag_steps``,
     ``lag_seconds`` (None without replication)."""
+    goodput: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each host's goodput ledger (``launcher.goodput``), by host."""
     stopped: dict[str, Any] | None = None
     """Why a host stopped the job for good (``host``, ``reason``: the no-progress guard),
     None unless one did since the run last started."""
@@ -772,7 +803,19 @@ class RunStatus:
                 "ranks": {str(k): v for k, v in sorted(self.ranks.items())},
                 "spares": self.spares, "ready_spares": self.ready_spares,
                 "replication": self.replication, "stopped": self.stopped,
-                "events": self.events}
+                "goodput": self.goodput_report(), "events": self.events}
+
+    def goodput_report(self) -> dict[str, Any] | None:
+        """The run's goodput: the root's ledger (else the newest), with every host's ETTR
+        beside it; None before any host wrote one."""
+        reports = {host: record["report"] for host, record in self.goodput.items()
+                   if isinstance(record.get("report"), dict)}
+        if not reports:
+            return None
+        chosen = self.root if self.root in reports else max(
+            reports, key=lambda h: _number(self.goodput[h].get("as_of")))
+        return {**reports[chosen], "host": chosen, "as_of": self.goodput[chosen].get("as_of"),
+                "hosts": {host: report.get("ettr") for host, report in sorted(reports.items())}}
 
 
 class RunReader:
@@ -858,6 +901,8 @@ def read_status(store: Store, run_id: str, *, max_events: int = 20) -> RunStatus
                 status.replication = _record(value)
             elif kind == "stopped":
                 status.stopped = _record(value)
+            elif kind == "goodput":
+                status.goodput[name] = _record(value)
         except (ValueError, UnicodeDecodeError):
             logger.warning("unreadable store value at %s", key)
     for name, record in sorted(hosts.items()):
@@ -887,6 +932,11 @@ def _record(value: bytes) -> dict[str, Any]:
     return record
 
 
+def _number(value: object) -> float:
+    """``value`` if it is a number (not a bool), else 0."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        else 0.0
+
+
 def _when(event: dict[str, Any]) -> float:
-    ts = event.get("ts", 0)
-    return float(ts) if isinstance(ts, (int, float)) and not isinstance(ts, bool) else 0.0
+    return _number(event.get("ts", 0))

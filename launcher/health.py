@@ -64,7 +64,7 @@ class HealthService:
 
     def _count(self, local_rank: int) -> int:
         value: int = struct.unpack_from("Q", self._segment.view,
-                                        local_rank * memory.HEARTBEAT_STRIDE)[0]
+                                        local_rank * memory.HEARTBEAT_STRIDE)[memory.BEAT]
         return value
 
     def before_start(self, group: WorkerGroup, store: Any) -> None:
@@ -97,6 +97,12 @@ class HealthService:
             elif now - last[1] > self.hang_timeout:
                 self._kill_hung(local_rank, now - last[1])
                 return
+
+    def progress(self) -> list[tuple[int, ...]]:
+        """Each running worker's words (indexed by ``memory.BEAT`` ... ``memory.RESTORED``,
+        by local rank); [] while no round runs."""
+        return [struct.unpack_from("7Q", self._segment.view, r * memory.HEARTBEAT_STRIDE)
+                for r in sorted(self._pids)]
 
     def progressed(self) -> bool:
         """Whether every worker of the running round is past its start: it beat at least

@@ -265,6 +265,14 @@ class Checkpointer:
         """Load the step the supervisor chose; return the first step to run (0 if none)."""
         if not self.active:
             return 0
+        self._progress(memory.RESTORE_BEGAN, time.monotonic_ns())
+        first = self._restore()
+        self._progress(memory.RESTORED, first)
+        self._progress(memory.STEPS_DONE, first)
+        self._progress(memory.RESTORE_ENDED, time.monotonic_ns())
+        return first
+
+    def _restore(self) -> int:
         self._wait()
         step = int(os.environ.get(ENV_RESTORE_STEP, "-1"))
         self._verified = prefetch.verified_seqs()
@@ -323,7 +331,13 @@ class Checkpointer:
         view = self._beat_view
         if view is not None:
             self._beats += 1
-            view[0] = self._beats
+            view[memory.BEAT] = self._beats
+
+    def _progress(self, field: int, value: int) -> None:
+        """Set a word of this rank's progress for its supervisor (``launcher.goodput``)."""
+        view = self._beat_view
+        if view is not None:
+            view[field] = value
 
     def save(self, step: int) -> None:
         """Snapshot the state as of the end of ``step``; returns before the copy is done."""
@@ -333,6 +347,11 @@ class Checkpointer:
             self._save(step)
         finally:
             self.stalled += time.perf_counter() - began
+            view = self._beat_view
+            if view is not None:  # what the run's goodput counts: stalls, steps done
+                view[memory.STALLED] = int(self.stalled * 1e9)
+                view[memory.SAVED_AT] = time.monotonic_ns()
+                view[memory.STEPS_DONE] = step + 1  # last: the supervisor reads it first
 
     def _save(self, step: int) -> None:
         self._wait()
@@ -439,7 +458,7 @@ class Checkpointer:
             if self._pins is not None:
                 self._pins.close()
             if self._beat_view is not None and self._heartbeat is not None:
-                self._beat_view[0] = memory.HEARTBEAT_DONE  # no hang from here on
+                self._beat_view[memory.BEAT] = memory.HEARTBEAT_DONE  # no hang from here on
                 self._beat_view.release()
                 self._beat_view = None
                 self._heartbeat.close()
@@ -782,9 +801,10 @@ class Checkpointer:
         except StorageError:
             return  # a supervisor without hang detection
         offset = local_rank * memory.HEARTBEAT_STRIDE
-        if offset + 8 <= segment.size:
+        if offset + memory.HEARTBEAT_STRIDE <= segment.size:
             self._heartbeat = segment
-            self._beat_view = memoryview(segment.view)[offset:offset + 8].cast("Q")
+            self._beat_view = memoryview(segment.view)[
+                offset:offset + memory.HEARTBEAT_STRIDE].cast("Q")
         else:
             segment.close()
 

@@ -213,10 +213,17 @@ def parse_slot_name(name: str) -> SlotName | None:
                     match.group("kind") == "x")
 
 
-#: The heartbeat segment of a run on a host (``launcher.health``): one native 64-bit
-#: counter per local rank, each in a cache line of its own, bumped by the worker.
+#: The heartbeat segment of a run on a host (``launcher.health``): a cache line per local
+#: rank of native 64-bit words, written by the worker's Checkpointer, read by its
+#: supervisor: a counter bumped at every optimizer step and save (hang detection), and
+#: the rank's progress (``launcher.goodput``): the number of steps done (the last step
+#: saved or restored, plus one), when its save returned, how long saves and waits for
+#: copies have blocked training (ns), when ``restore()`` began and ended, and the steps
+#: done as it returned (times in ns of CLOCK_MONOTONIC, the same clock in every process
+#: of a host; 0: not yet).
 HEARTBEAT_SUFFIX = "heartbeat"
 HEARTBEAT_STRIDE = 64
+BEAT, STEPS_DONE, SAVED_AT, STALLED, RESTORE_BEGAN, RESTORE_ENDED, RESTORED = range(7)
 #: The count a worker leaves when it closes its Checkpointer: nothing more to watch.
 HEARTBEAT_DONE = (1 << 64) - 1
 

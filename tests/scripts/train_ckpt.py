@@ -9,18 +9,21 @@ Fault injection for tests (deterministic, only on the attempt given):
 Prints "resume rank=R start=S attempt=A" and, on rank 0, "step S loss L".
 """
 
-import argparse
-import hashlib
-import os
-import random
-import signal
 import time
 
-import restart_stamps
-import torch
-import torch.distributed as dist
+STARTED = time.time()  # before torch is imported: the step log's "start"
 
-from launcher import Checkpointer, copier, memory
+import argparse  # noqa: E402
+import hashlib  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+
+import restart_stamps  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from launcher import Checkpointer, copier, memory  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
@@ -53,11 +56,21 @@ p.add_argument("--flip-param", default="", metavar="RANK:STEP",
                "run started from step 0 only), rank RANK flips one mantissa bit of a "
                "parameter it saves itself (with replicated state split between the local "
                "ranks, one of its share)")
+p.add_argument("--step-log", default="", metavar="FILE",
+               help="rank 0 appends 'start T' as it starts and 'step S T' as each step ends "
+               "(wall-clock seconds): the workload's own record of its goodput")
 p.add_argument("--report-slots", action="store_true",
                help="rank 0 prints the bytes of the last step in the host's own slots "
                "(every rank's) and the bytes of one model and optimizer state")
 args = p.parse_args()
 
+def log_step(line, at=None):
+    if args.step_log and os.environ.get("RANK", "0") == "0":
+        with open(args.step_log, "a") as log:
+            log.write(f"{line} {at or time.time():.6f}\n")
+
+
+log_step("start", STARTED)
 torch.manual_seed(0)
 random.seed(0)
 torch.use_deterministic_algorithms(True)
@@ -165,6 +178,7 @@ for step in range(start, args.steps):
     if rank == 0:
         print(f"step {step} loss {loss.item():.6f}", flush=True)
     restart_stamps.step_done(rank)
+    log_step(f"step {step}")
     if args.sleep:
         time.sleep(args.sleep)
 
