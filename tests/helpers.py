@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -153,3 +154,27 @@ def assert_one_copy(outputs: list[str], nproc: int) -> None:
         assert found, output[-3000:]
         held, state = map(int, found.groups())
         assert state <= held < 1.1 * state + nproc * (16 << 10), (held, state)
+
+
+def log_ettr(path: Path) -> tuple[float, int, float]:
+    """ETTR by the workload's own log (train_ckpt.py --step-log): the steps of the run
+    (0 to the newest, each counted once: a step whose process was killed right after its
+    save is not logged, but done), at its median step time (two consecutive steps of one
+    process), over the time from its first start to its last step; and the steps and
+    wall time."""
+    lines = [line.split() for line in path.read_text().splitlines()]
+    first = float(lines[0][-1])
+    done: dict[int, float] = {}
+    durations, previous = [], None
+    for line in lines:
+        if line[0] == "start":
+            previous = None
+            continue
+        step, at = int(line[1]), float(line[2])
+        if previous is not None and step == previous[0] + 1:
+            durations.append(at - previous[1])
+        previous = (step, at)
+        done[step] = at
+    wall = max(done.values()) - first
+    steps = max(done) + 1
+    return steps * statistics.median(durations) / wall, steps, wall

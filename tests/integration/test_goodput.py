@@ -3,37 +3,12 @@
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from pathlib import Path
 
-from helpers import GEMINI, SCRIPTS, env_with, events, kill_tree, poll, run, start
+from helpers import GEMINI, SCRIPTS, env_with, events, kill_tree, log_ettr, poll, run, start
 
 TRAIN = (str(SCRIPTS / "train_ckpt.py"), "--sleep", "0.05")
-
-
-def log_ettr(path: Path) -> tuple[float, int, float]:
-    """ETTR by the workload's own log (train_ckpt.py --step-log): the steps of the run
-    (0 to the newest, each counted once: a step whose process was killed right after its
-    save is not logged, but done), at its median step time (two consecutive steps of one
-    process), over the time from its first start to its last step; and the steps and
-    wall time."""
-    lines = [line.split() for line in path.read_text().splitlines()]
-    first = float(lines[0][-1])
-    done: dict[int, float] = {}
-    durations, previous = [], None
-    for line in lines:
-        if line[0] == "start":
-            previous = None
-            continue
-        step, at = int(line[1]), float(line[2])
-        if previous is not None and step == previous[0] + 1:
-            durations.append(at - previous[1])
-        previous = (step, at)
-        done[step] = at
-    wall = max(done.values()) - first
-    steps = max(done) + 1
-    return steps * statistics.median(durations) / wall, steps, wall
 
 
 def goodput(env: dict[str, str], run_id: str) -> dict:
@@ -74,7 +49,7 @@ def test_goodput_matches_the_step_log_through_kills_and_a_supervisor_restart(
     assert abs(report["wall_s"] - wall) < 1.0, (report, wall)  # from the first start on
     assert report["steps"] == steps == 160, report
     assert report["lost_s"]["waiting"] >= 1.0, report  # the gap between the supervisors
-    assert report["redone_steps"] <= 3 and report["failures"] == 2, report
+    assert report["redone_steps"] <= 3 and report["failures"] == 3, report  # 2 + its own
     assert abs(report["ettr"] - want) < 0.03, (report, want)
     shown = run([*GEMINI, "status", "--run-id", "gp"], env=env)
     assert "goodput" in shown.stdout and "where the time went" in shown.stdout, shown.stdout

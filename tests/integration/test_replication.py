@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from etcd_server import EtcdServer
-from helpers import GEMINI, SCRIPTS, assert_one_copy, env_with, events, kill_group, run
+from helpers import GEMINI, SCRIPTS, assert_one_copy, env_with, events, kill_group, log_ettr, run
 from hosts import Host, assert_bitwise, wait_exit, wait_for
 
 # per-gradient all_reduce: bitwise reproducible across restarts with more than 2 ranks
@@ -67,14 +67,14 @@ def _run_reference(tmp: Path, world: int, steps: int, *train: str) -> dict:
 def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
                      nproc: int = 2, spares: int = 0, kill_at: int = 20, steps: int = STEPS,
                      train: tuple[str, ...] = (), replace_after: float = 0.0,
-                     probe: Callable[[EtcdServer, list[Host]], None] | None = None
-                     ) -> list[dict]:
+                     probe: Callable[[EtcdServer, list[Host]], None] | None = None,
+                     after: Callable[[EtcdServer], None] | None = None) -> list[dict]:
     """Train on ``nodes`` hosts of ``nproc`` workers; once rank 0 printed step ``kill_at``
     kill the hosts in node slots ``victims`` and start one replacement each,
     ``replace_after`` seconds later (or, with ``spares``, start that many more hosts
     before the kill, which wait as standbys: ``--nnodes N:N`` is full); return the restore_plan
-    events that follow the kill. ``probe`` runs just before the kill. The output of rank 0
-    goes to ``tmp/out.pt``."""
+    events that follow the kill. ``probe`` runs just before the kill, ``after`` once the
+    survivors exited (the store still up). The output of rank 0 goes to ``tmp/out.pt``."""
     hosts: list[Host] = []
     by = time.monotonic() + RUN_BUDGET  # fail with the hosts' logs before pytest's timeout
     with EtcdServer() as etcd:
@@ -112,6 +112,8 @@ def _run_and_replace(tmp: Path, nodes: int, victims: list[int], *extra: str,
             wait_exit(survivors, hosts, by)
             for host in survivors:
                 assert host.proc.returncode == 0, host.output()[-4000:]
+            if after is not None:
+                after(etcd)
         finally:
             for host in hosts:
                 kill_group(host.proc)
@@ -176,7 +178,23 @@ def test_standby_host_takes_the_lost_slot(tmp_path: Path) -> None:
     and its ranks' copies from the surviving peer's memory: pulled as soon as it learned
     of the loss (a take-over), or once the round's plan names the step."""
     reference = _reference(tmp_path, 4)
-    plans = _run_and_replace(tmp_path, 2, [1], spares=1)
+    log = tmp_path / "steps.log"
+    goodput: dict = {}
+
+    def read_goodput(etcd: EtcdServer) -> None:
+        shown = run([*GEMINI, "status", "--store", etcd.url, "--run-id", "repl", "--json"],
+                    env=env_with(tmp_path))
+        assert shown.returncode == 0, shown.output
+        goodput.update(json.loads(shown.stdout)["goodput"])
+
+    plans = _run_and_replace(tmp_path, 2, [1], spares=1, train=("--step-log", str(log)),
+                             after=read_goodput)
+    # Goodput is the same on the survivor and on the spare that went on from its ledger,
+    # and as the workload's own step log has it.
+    want, steps, _ = log_ettr(log)
+    assert goodput["steps"] == steps == STEPS and goodput["failures"] >= 1, goodput
+    for host in ("h0", "new0"):
+        assert abs(goodput["hosts"][host] - want) < 0.03, (host, goodput, want)
     assert _slots(tmp_path)["new0"] == 1
     # A heartbeat (or the survivor's failed worker) found nothing listening where h1's
     # supervisor had: h1's lease was revoked at once rather than left to expire.

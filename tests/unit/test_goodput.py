@@ -102,6 +102,9 @@ def test_a_resumed_ledger_keeps_the_run_and_counts_the_gap_as_waiting() -> None:
     # the supervisor died; the next one (or a spare) goes on 20 s later
     resumed = Ledger.resume(record, 31.0)
     assert resumed.t0 == 0.0 and resumed.resumed
+    assert resumed.failures == 1  # written while training: what ended its writer
+    ledger.ended(12.5, failure=True)  # written after its writer's restart: counted there
+    assert Ledger.resume(ledger.to_json(13.0), 31.0).failures == 1
     resumed.started(32.0)
     _restore(resumed, 32.5, 33.0, 14)  # the job ran on to 14 steps meanwhile, elsewhere
     _steps(resumed, 15, 16, 33.0, stall=0.0)
