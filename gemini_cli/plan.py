@@ -39,6 +39,32 @@ def parse_size(text: str) -> int:
     return int(number * _UNITS[unit])
 
 
+_DURATION = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|m|min|h|d|w)?\s*", re.IGNORECASE)
+_SECONDS = {None: 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: a number of seconds, or one with a unit s, m (min), h, d, w
+    (e.g. ``90s``, ``12h``, ``30d``); ValueError unless it is more than 0."""
+    match = _DURATION.fullmatch(text)
+    if match is None:
+        raise ValueError(f"{text!r} is not a duration (expected e.g. 600, 90s, 12h, 30d)")
+    seconds = float(match.group(1)) * _SECONDS[match.group(2) and match.group(2).lower()]
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{text!r}: a duration must be more than 0")
+    return seconds
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    """The click callback of a duration option: :func:`parse_duration`."""
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+
 def _byte_size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
     """The click callback of ``--state-bytes``: :func:`parse_size` or a ``BadParameter``."""
     if value is None:
@@ -68,18 +94,49 @@ def _byte_size(ctx: click.Context, param: click.Parameter, value: str | None) ->
 @click.option("--groups/--no-groups", "show_groups", default=None,
               help="Print the table of placement groups and who holds whose replicas after "
               "the summary.  [default: for 8 hosts or fewer]")
+@click.option("--mtbf", callback=_duration, default=None, metavar="DURATION",
+              help="Mean time between failures of one host (e.g. 30d): adds the expected "
+              "goodput (ETTR) with gemini beside checkpointing to storage, and the "
+              "settings to use. Needs --state-bytes and --step-time.")
+@click.option("--job-mtbf", callback=_duration, default=None, metavar="DURATION",
+              help="Mean time between failures of the whole job instead (e.g. 3h).")
+@click.option("--step-time", callback=_duration, default=None, metavar="DURATION",
+              help="One training step (e.g. 1.5s).")
+@click.option("--from-status", type=click.File("r"), default=None, metavar="FILE",
+              help="`gemini status --json` of a running job (- for stdin): its median step, "
+              "checkpoint stall, recovery per failure and, without --mtbf, its failure "
+              "rate, measured.")
+@click.option("--host-share", type=click.FloatRange(0, 1), default=0.6, show_default=True,
+              help="Share of failures that take a host away (the rest: worker crashes).")
+@click.option("--spares", type=click.IntRange(min=0), default=1, show_default=True,
+              help="Hot spare hosts.")
+@click.option("--replicate-every", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Replicate every N-th step.  [default: 0 (measured)]")
+@click.option("--network-bandwidth", type=click.FloatRange(min=0, min_open=True),
+              default=1250.0, show_default=True, metavar="MB_PER_S",
+              help="What a host sends to a peer while it trains, MB/s.")
+@click.option("--storage-bandwidth", type=click.FloatRange(min=0, min_open=True),
+              default=1000.0, show_default=True, metavar="MB_PER_S",
+              help="What a host writes to the shared file system, MB/s.")
+@click.option("--restart-time", callback=_duration, default="60s", show_default=True,
+              metavar="DURATION", help="Restarting the whole job from storage.")
+@click.option("--replace-time", callback=_duration, default="300s", show_default=True,
+              metavar="DURATION", help="Getting a replacement host when no spare waits.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (schema gemini.plan/v1).")
 def plan_command(nodes: int, replicas: int, failures: int, state_bytes: int | None,
                  ranks_per_host: int, parallelism: str, show_groups: bool | None,
-                 as_json: bool) -> int:
+                 as_json: bool, **goodput: Any) -> int:
     """Show how gemini places the replicas of each host's in-memory checkpoint.
 
     Prints the placement groups (group placement when m divides N, mixed placement with
     a ring-placed last group otherwise, as in the GEMINI paper), which hosts keep each
     host's replicas, the probability that --failures simultaneous random host failures
     still leave every checkpoint in memory, and with --state-bytes the CPU memory each
-    host needs: a summary first, then (--groups) the table of groups. Exit code 0; 2 on
-    invalid input.
+    host needs: a summary first, then (--groups) the table of groups. With --mtbf (or
+    --job-mtbf, or --from-status) and --step-time, the expected goodput of the job with
+    gemini and with checkpoints to storage at the optimal interval, and the settings
+    with the best goodput (docs/goodput.md has the model). Exit code 0; 2 on invalid
+    input.
     """
     from launcher.replication.placement import (
         host_checkpoint_bytes,
@@ -111,6 +168,7 @@ def plan_command(nodes: int, replicas: int, failures: int, state_bytes: int | No
         "host_checkpoint_bytes": host_bytes,
         "memory_per_host_bytes": memory,
     }
+    report.update(_goodput(report, **goodput))
     if as_json:
         click.echo(json.dumps(report))
     else:
@@ -149,6 +207,8 @@ def _render(report: dict[str, Any], probability: Fraction, show_groups: bool) ->
         # kB/MB/GB count in powers of 1000, K/M/G and KiB/MiB/GiB in 1024: say which it was
         console.print(f"one rank's checkpoint (--state-bytes): {report['state_bytes']:,} bytes "
                       f"= {_size(report['state_bytes'], 1000)} = {_size(report['state_bytes'])}")
+    if report["goodput"] is not None:
+        _render_goodput(console, report["goodput"])
     if not show_groups:
         console.print(f"placement groups: {groups} (--groups lists them and who holds whose "
                       "replicas)")
@@ -160,6 +220,94 @@ def _render(report: dict[str, Any], probability: Fraction, show_groups: bool) ->
         held = "\n".join(f"{n} -> {_nodes(report['holders'][n]) or '-'}" for n in group)
         table.add_row(str(index), _nodes(group), kind, held)
     console.print(table)
+
+
+def _goodput(report: dict[str, Any], *, mtbf: float | None, job_mtbf: float | None,
+             step_time: float | None, from_status: Any, host_share: float, spares: int,
+             replicate_every: int, network_bandwidth: float, storage_bandwidth: float,
+             restart_time: float, replace_time: float) -> dict[str, Any]:
+    """The planner's part of the report: ``ettr`` and ``goodput`` (both None unless a
+    failure rate is given or measured)."""
+    from launcher.goodput import Cluster, Setting, gemini_ettr, gemini_waste, recommend, storage_baseline
+
+    measured = _measured(from_status) if from_status is not None else {}
+    if mtbf is not None and job_mtbf is not None:
+        raise click.UsageError("give --mtbf (per host) or --job-mtbf, not both")
+    nodes = report["nodes"]
+    job = job_mtbf or (mtbf / nodes if mtbf else measured.get("job_mtbf"))
+    step = step_time or measured.get("step_time")
+    if job is None:
+        if step_time is not None:
+            raise click.UsageError("--step-time needs a failure rate: --mtbf or --job-mtbf")
+        return {"ettr": None, "goodput": None}
+    if step is None or report["host_checkpoint_bytes"] is None:
+        raise click.UsageError("a goodput plan needs --step-time and --state-bytes")
+    cluster = Cluster(nodes=nodes, job_mtbf=job, step_time=step,
+                      host_bytes=report["host_checkpoint_bytes"], host_share=host_share,
+                      network_bytes_per_s=network_bandwidth * 1e6,
+                      storage_bytes_per_s=storage_bandwidth * 1e6, restart_time=restart_time,
+                      replace_time=replace_time,
+                      **{k: v for k, v in measured.items()
+                         if k in ("stall", "worker_recovery", "host_recovery")})
+    setting = Setting(replicas=report["replicas"], replicate_every=replicate_every,
+                      spares=spares)
+    ettr = gemini_ettr(cluster, setting)
+    host_mtbf = mtbf or job * nodes
+    return {"ettr": ettr, "goodput": {
+        "ettr": ettr, "job_mtbf_s": job, "failures_per_day": 86400 / job, "step_s": step,
+        "waste_per_failure_s": gemini_waste(cluster, setting),
+        "baseline": storage_baseline(cluster), "recommended": recommend(cluster, host_mtbf),
+        "measured": sorted(measured)}}
+
+
+def _measured(stream: Any) -> dict[str, float]:
+    """What ``gemini status --json`` of a running job measured: its median step, the
+    checkpoint stall per step, the time lost per failure (all of it counted as one
+    worker or host recovery) and, after at least one failure, the job's MTBF."""
+    try:
+        goodput = json.load(stream).get("goodput") or {}
+        wall, step = float(goodput["wall_s"]), float(goodput["step_s"])
+        lost, steps = goodput["lost_s"], int(goodput["steps"])
+        failures = int(goodput["failures"])
+        recovery = sum(float(lost[k]) for k in ("detection", "rendezvous", "restore",
+                                                 "waiting"))
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise click.UsageError(f"--from-status: not the JSON of `gemini status --json` "
+                               f"with a goodput ({type(exc).__name__}: {exc})") from None
+    found = {"step_time": step} if step > 0 else {}
+    if steps:
+        found["stall"] = float(lost["checkpoint"]) / steps
+    if failures:
+        found["job_mtbf"] = wall / failures
+        found["worker_recovery"] = found["host_recovery"] = recovery / failures
+    return found
+
+
+def _render_goodput(console: Any, goodput: dict[str, Any]) -> None:
+    """Expected ETTR with gemini and with storage checkpoints, and the best settings."""
+    base, best = goodput["baseline"], goodput["recommended"]
+    waste = goodput["waste_per_failure_s"]
+    console.print(f"expected goodput (ETTR) at one failure every {_time(goodput['job_mtbf_s'])} "
+                  f"({goodput['failures_per_day']:.1f} a day): gemini [bold]"
+                  f"{100 * goodput['ettr']:.1f}%[/] ({waste['per_failure']:.1f} s lost per "
+                  f"failure: {waste['worker']:.1f} s a worker crash, {waste['host']:.1f} s a "
+                  f"host loss); checkpoints to storage every {_time(base['interval_s'])} "
+                  f"(the optimal interval): [bold]{100 * base['ettr']:.1f}%[/] "
+                  f"({base['per_failure']:.0f} s lost per failure)")
+    console.print(f"recommended: --replicas {best['replicas']} with {best['spares']} hot "
+                  f"spare{_s(best['spares'])}, replication every {best['replicate_every']} "
+                  f"step{_s(best['replicate_every'])} (ETTR {100 * best['ettr']:.1f}%), "
+                  f"--persist-every {_time(best['persist_every_s'])} for the losses no replica "
+                  "covers")
+    if goodput["measured"]:
+        console.print(f"measured by the running job: {', '.join(goodput['measured'])}")
+
+
+def _time(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.1f} s"
 
 
 def _s(count: int) -> str:

@@ -117,9 +117,12 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
 
 
 #: The parts of a run's wall time as ``gemini status`` draws them (launcher.goodput).
-_PARTS = (("useful", "green"), ("redone", "red"), ("checkpoint", "cyan"),
-          ("detection", "magenta"), ("rendezvous", "yellow"), ("start_up", "blue"),
-          ("restore", "bright_blue"), ("waiting", "bright_black"), ("other", "white"))
+#: A part's colour and glyph (the bar reads without colour too: training █, what
+#: checkpoints cost ▓, recovery ▒, the rest ░).
+_PARTS = (("useful", "green", "█"), ("redone", "red", "▓"), ("checkpoint", "cyan", "▓"),
+          ("detection", "magenta", "▒"), ("rendezvous", "yellow", "▒"),
+          ("start_up", "blue", "▒"), ("restore", "bright_blue", "▒"),
+          ("waiting", "bright_black", "░"), ("other", "white", "░"))
 _BAR = 60
 
 
@@ -135,11 +138,12 @@ def _render_goodput(console: Any, goodput: object) -> None:
     lost = goodput.get("lost_s")
     lost = lost if isinstance(lost, dict) else {}
     seconds = {"useful": _number(goodput.get("useful_s")) or 0.0,
-               **{part: _number(lost.get(part)) or 0.0 for part, _ in _PARTS[1:]}}
+               **{part: _number(lost.get(part)) or 0.0 for part, _, _ in _PARTS[1:]}}
     ettr = _number(goodput.get("ettr"))
-    bar = Text()
-    for part, colour in _PARTS:
-        bar.append("█" * round(_BAR * seconds[part] / wall), style=colour)
+    bar = Text("|")
+    for part, colour, glyph in _PARTS:
+        bar.append(glyph * round(_BAR * seconds[part] / wall), style=colour)
+    bar.append("|")
     console.print(Text.assemble(
         ("goodput ", "bold"), ("-" if ettr is None else f"{100 * ettr:.1f}%", "bold"),
         f" ETTR over {_duration(wall)}, {_plain(goodput.get('failures', 0))} restarts, "
@@ -149,8 +153,9 @@ def _render_goodput(console: Any, goodput: object) -> None:
     table = Table(title="where the time went")
     for column in ("part", "seconds", "share"):
         table.add_column(column)
-    for part, colour in _PARTS:
-        table.add_row(Text(part.replace("_", "-"), style=colour), f"{seconds[part]:.1f}",
+    for part, colour, glyph in _PARTS:
+        table.add_row(Text(f"{glyph} {part.replace('_', '-')}", style=colour),
+                      f"{seconds[part]:.1f}",
                       f"{100 * seconds[part] / wall:.1f}%")
     console.print(table)
 

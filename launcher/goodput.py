@@ -38,11 +38,13 @@ the store, so the figure survives them and is the same, within a step, on every 
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from launcher import memory
@@ -330,3 +332,130 @@ class GoodputService:
 
     def close(self) -> None:
         pass
+
+
+# -- the planner (``gemini plan --mtbf``) ---------------------------------------------------
+
+#: Recovery times measured on this project's benchmarks (benchmarks/RESULTS.md), the
+#: planner's defaults: a worker crash, kill -> next step at hundreds of MB per rank; a host
+#: loss with a hot spare (the frozen host's longer detection averaged in).
+WORKER_RECOVERY = 1.2
+HOST_RECOVERY = 2.5
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the planner is told about a job and its cluster (seconds, bytes)."""
+
+    nodes: int
+    job_mtbf: float
+    """Mean time between failures of the whole job (a host's MTBF / nodes)."""
+    step_time: float
+    host_bytes: int
+    """One host's checkpoint (its ranks' state)."""
+    host_share: float = 0.6
+    """The share of failures that take a host away (a lost GPU, a crashed or frozen
+    machine); the rest are worker crashes that a restart on the same host cures."""
+    network_bytes_per_s: float = 1.25e9
+    """What one host can send to a peer while it trains (10 Gb/s)."""
+    storage_bytes_per_s: float = 1e9
+    """What one host writes to (and reads from) the shared file system."""
+    restart_time: float = 60.0
+    """Restarting the whole job from storage: rescheduling, start-up, process groups."""
+    replace_time: float = 300.0
+    """Getting a replacement host when no spare waits."""
+    stall: float = 0.001
+    """What one in-memory checkpoint blocks the training loop."""
+    worker_recovery: float = WORKER_RECOVERY
+    host_recovery: float = HOST_RECOVERY
+
+
+@dataclass(frozen=True)
+class Setting:
+    """gemini's configuration as the planner weighs it."""
+
+    replicas: int = 2
+    replicate_every: int = 0
+    """0: as measured at run time (the steps one replication takes)."""
+    spares: int = 1
+
+
+def replication_steps(cluster: Cluster, setting: Setting) -> int:
+    """The steps between two replicated steps: as set, or the steps one replication of a
+    host's checkpoint to its m - 1 peers takes at the network's rate (at least 1)."""
+    if setting.replicate_every:
+        return setting.replicate_every
+    seconds = cluster.host_bytes * (setting.replicas - 1) / cluster.network_bytes_per_s
+    return max(1, math.ceil(seconds / cluster.step_time))
+
+
+def gemini_waste(cluster: Cluster, setting: Setting) -> dict[str, float]:
+    """Expected seconds lost per failure, by kind, and the blocked fraction of each step.
+
+    A worker crash restores the newest step in the host's own memory: its recovery plus
+    the step in flight and, on average, half a step more (the newest step may still be
+    copying). A host loss restores the newest replicated step: its recovery (a spare's,
+    or the wait for a replacement host) plus the step in flight and the replication lag,
+    on average the spacing k. Without replicas, a host loss restarts from storage as the
+    baseline does."""
+    step = cluster.step_time
+    worker = cluster.worker_recovery + step
+    if setting.replicas < 2:
+        host = cluster.restart_time + cluster.host_bytes / cluster.storage_bytes_per_s
+    else:
+        host = (cluster.host_recovery if setting.spares else cluster.replace_time) + step / 2 \
+            + replication_steps(cluster, setting) * step
+    share = cluster.host_share
+    return {"worker": worker, "host": host, "per_failure": (1 - share) * worker + share * host,
+            "checkpoint_fraction": min(1.0, cluster.stall / step)}
+
+
+def gemini_ettr(cluster: Cluster, setting: Setting) -> float:
+    """ETTR with gemini: the steps' unblocked share, less the failures' waste (first
+    order: waste per failure / MTBF)."""
+    waste = gemini_waste(cluster, setting)
+    return max(0.0, (1 - waste["checkpoint_fraction"]) * (1 - waste["per_failure"]
+                                                           / cluster.job_mtbf))
+
+
+def storage_baseline(cluster: Cluster) -> dict[str, float]:
+    """Checkpointing to storage at Young's optimal interval sqrt(2 C M) (C: the blocking
+    write of a host's checkpoint, M: the job's MTBF), restarting the job from the last
+    one after each failure: expected waste fraction C / tau + (tau / 2 + R) / M, where R
+    is the restart and the read of the checkpoint (Young 1974, Daly 2006, first order)."""
+    write = cluster.host_bytes / cluster.storage_bytes_per_s
+    interval = max(cluster.step_time, math.sqrt(2 * write * cluster.job_mtbf))
+    restart = cluster.restart_time + write
+    per_failure = interval / 2 + restart
+    waste = write / interval + per_failure / cluster.job_mtbf
+    return {"ettr": max(0.0, 1 - waste), "interval_s": interval, "write_s": write,
+            "per_failure": per_failure}
+
+
+def group_mtbf(cluster: Cluster, setting: Setting, host_mtbf: float) -> float:
+    """Mean time until every holder of some host's checkpoint is lost at once: m hosts of
+    a group failing within the window that re-replicating a lost host's checkpoint takes
+    (its recovery and one transfer): host_mtbf^m / (N ((m - 1) W)^(m - 1))."""
+    m = max(1, setting.replicas)
+    window = cluster.host_recovery + cluster.host_bytes / cluster.network_bytes_per_s
+    return host_mtbf ** m / (cluster.nodes * ((m - 1) * window) ** (m - 1)) if m > 1 \
+        else host_mtbf / cluster.nodes
+
+
+def recommend(cluster: Cluster, host_mtbf: float) -> dict[str, Any]:
+    """Among replicas 2-3 and spares 0-1 (replication spaced as measured), the setting
+    with the best goodput per host, a spare being a host that does not train (ETTR x
+    N / (N + spares)), fewer replicas on a tie; and a persist interval for the losses no
+    replica covers (Young's interval against the mean time between losses of a whole
+    placement group)."""
+    def value(setting: Setting) -> tuple[float, int]:
+        share = cluster.nodes / (cluster.nodes + setting.spares)
+        return round(gemini_ettr(cluster, setting) * share, 6), -setting.replicas
+
+    best = max((Setting(replicas=m, spares=s) for m in (2, 3) for s in (1, 0)
+                if m <= cluster.nodes), key=value, default=Setting(replicas=1))
+    write = cluster.host_bytes / cluster.storage_bytes_per_s
+    persist = math.sqrt(2 * write * group_mtbf(cluster, best, host_mtbf))
+    return {"replicas": best.replicas, "spares": best.spares,
+            "replicate_every": replication_steps(cluster, best),
+            "persist_every_s": persist, "ettr": gemini_ettr(cluster, best)}

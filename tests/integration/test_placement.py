@@ -4,6 +4,8 @@ reports them. Placement itself is tested in tests/unit/test_placement.py."""
 from __future__ import annotations
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 from helpers import GEMINI, run
@@ -94,3 +96,48 @@ def test_cli_bad_input_one_line(args: list[str], message: str) -> None:
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("gemini: error:") and message in lines[0], lines[0]
     assert done.stdout == ""
+
+
+def test_cli_goodput_plan(tmp_path: Path) -> None:
+    """--mtbf adds the expected ETTR beside the storage baseline (the model's figures,
+    tests/unit/test_goodput.py), and the settings; --from-status takes what a running
+    job measured."""
+    args = [*GEMINI, "plan", "--nodes", "10", "--mtbf", "10h", "--step-time", "2",
+            "--state-bytes", "10GB", "--host-share", "0.5", "--network-bandwidth", "1000",
+            "--storage-bandwidth", "500", "--restart-time", "100s"]
+    done = run([*args, "--json"], timeout=60)
+    assert done.returncode == 0, done.output
+    report = json.loads(done.stdout)
+    goodput = report["goodput"]
+    assert goodput["job_mtbf_s"] == pytest.approx(3600.0)
+    assert report["ettr"] == goodput["ettr"] and 0.99 < report["ettr"] < 1.0
+    assert goodput["baseline"]["interval_s"] == pytest.approx(math.sqrt(2 * 20.0 * 3600.0))
+    assert goodput["recommended"]["replicate_every"] == 5 and goodput["measured"] == []
+    human = run(args, timeout=60)
+    assert "expected goodput (ETTR) at one failure every 1.0 h" in human.stdout, human.output
+    assert "recommended: --replicas 2" in human.stdout
+    status = tmp_path / "status.json"
+    status.write_text(json.dumps({"goodput": {
+        "wall_s": 600.0, "step_s": 0.5, "steps": 1000, "failures": 3, "useful_s": 500.0,
+        "lost_s": {"checkpoint": 1.0, "detection": 0.3, "rendezvous": 0.6, "restore": 0.3,
+                   "waiting": 0.0, "redone": 0.5, "start_up": 2.0, "other": 0.0}}}))
+    measured = run([*GEMINI, "plan", "--nodes", "2", "--state-bytes", "1GiB", "--from-status",
+                    str(status), "--json"], timeout=60)
+    assert measured.returncode == 0, measured.output
+    goodput = json.loads(measured.stdout)["goodput"]
+    assert goodput["job_mtbf_s"] == pytest.approx(200.0) and goodput["step_s"] == 0.5
+    assert goodput["measured"] == ["host_recovery", "job_mtbf", "stall", "step_time",
+                                   "worker_recovery"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--step-time", "1"],  # no failure rate
+    ["--mtbf", "1d"],  # no step time
+    ["--mtbf", "1d", "--job-mtbf", "1h", "--step-time", "1"],
+    ["--mtbf", "0", "--step-time", "1"],
+    ["--mtbf", "soon", "--step-time", "1"],
+])
+def test_cli_goodput_plan_bad_input(extra: list[str]) -> None:
+    done = run([*GEMINI, "plan", "--nodes", "4", "--state-bytes", "1GiB", *extra], timeout=60)
+    assert done.returncode == 2, done.output
+    assert done.stderr.startswith("gemini: error:") and len(done.stderr.splitlines()) == 1

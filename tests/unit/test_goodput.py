@@ -8,7 +8,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from launcher.goodput import LOST, Ledger, newest
+from launcher.goodput import (
+    LOST,
+    Cluster,
+    Ledger,
+    Setting,
+    gemini_ettr,
+    gemini_waste,
+    group_mtbf,
+    newest,
+    recommend,
+    replication_steps,
+    storage_baseline,
+)
 
 
 def _steps(ledger: Ledger, first: int, last: int, at: float, *, every: float = 1.0,
@@ -178,3 +190,57 @@ def test_any_history_adds_up_to_the_wall_time(history: list, tail: float) -> Non
         _adds_up(report)
         assert report["ettr"] is None or 0.0 <= report["ettr"] <= 1.0 + 1e-9
         assert set(report["lost_s"]) == set(LOST)
+
+
+# -- the planner ------------------------------------------------------------------------------
+
+CLUSTER = Cluster(nodes=10, job_mtbf=3600.0, step_time=2.0, host_bytes=10**10,
+                  host_share=0.5, network_bytes_per_s=1e9, storage_bytes_per_s=5e8,
+                  restart_time=100.0, replace_time=300.0, stall=0.002, worker_recovery=1.0,
+                  host_recovery=3.0)
+
+
+def test_gemini_waste_and_ettr_by_hand() -> None:
+    # replication of 10 GB at 1 GB/s: 10 s = 5 steps of 2 s
+    assert replication_steps(CLUSTER, Setting()) == 5
+    assert replication_steps(CLUSTER, Setting(replicate_every=2)) == 2
+    waste = gemini_waste(CLUSTER, Setting())
+    assert waste["worker"] == pytest.approx(1.0 + 2.0)  # recovery + in-flight + half a step
+    assert waste["host"] == pytest.approx(3.0 + 1.0 + 5 * 2.0)  # spare + in flight + lag
+    assert waste["per_failure"] == pytest.approx(0.5 * 3.0 + 0.5 * 14.0)
+    assert waste["checkpoint_fraction"] == pytest.approx(0.001)
+    assert gemini_ettr(CLUSTER, Setting()) == pytest.approx(0.999 * (1 - 8.5 / 3600))
+    # no spare: the host loss waits for a replacement
+    assert gemini_waste(CLUSTER, Setting(spares=0))["host"] == pytest.approx(300.0 + 1.0 + 10.0)
+    # no replica: a host loss restarts from storage (restart + reading 10 GB at 0.5 GB/s)
+    assert gemini_waste(CLUSTER, Setting(replicas=1))["host"] == pytest.approx(100.0 + 20.0)
+
+
+def test_the_storage_baseline_is_youngs_optimum_by_hand() -> None:
+    base = storage_baseline(CLUSTER)
+    write = 10**10 / 5e8  # 20 s
+    interval = math.sqrt(2 * write * 3600.0)  # 379.5 s
+    assert base["write_s"] == pytest.approx(write)
+    assert base["interval_s"] == pytest.approx(interval)
+    assert base["per_failure"] == pytest.approx(interval / 2 + 100.0 + write)
+    assert base["ettr"] == pytest.approx(1 - write / interval - (interval / 2 + 120.0) / 3600)
+    # Young's interval is the optimum of this waste: any other interval wastes more
+    for factor in (0.5, 0.8, 1.25, 2.0):
+        tau = interval * factor
+        assert 1 - write / tau - (tau / 2 + 120.0) / 3600 < base["ettr"]
+
+
+def test_the_recommendation_weighs_a_spare_against_the_host_it_takes() -> None:
+    # 10 hosts failing every hour: a spare (1/11 of the hosts idle) costs more than the
+    # 300 s a replacement takes at one host loss every two hours
+    assert recommend(CLUSTER, 36000.0)["spares"] == 0
+    # ... but not at one host loss every two minutes
+    busy = Cluster(**{**CLUSTER.__dict__, "job_mtbf": 240.0})
+    assert recommend(busy, 2400.0)["spares"] == 1
+    best = recommend(CLUSTER, 36000.0)
+    assert best["replicas"] == 2 and best["replicate_every"] == 5
+    # persist against the loss of both holders within one re-replication window
+    window = 3.0 + 10.0
+    group = 36000.0 ** 2 / (10 * window)
+    assert group_mtbf(CLUSTER, Setting(), 36000.0) == pytest.approx(group)
+    assert best["persist_every_s"] == pytest.approx(math.sqrt(2 * 20.0 * group))
