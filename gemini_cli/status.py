@@ -69,20 +69,7 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
     root = _plain(status.get("root")) if status.get("root") is not None else "-"
     console.print(Text.assemble("run ", (_plain(status.get("run_id")), "bold"),
                                 f"  root: {root}  store: {printable(url)}"))
-    hosts = Table(title="hosts")
-    for column in ("host", "status", "pid", "ranks", "round", "restarts", "changed"):
-        hosts.add_column(column)
-    for h in status["hosts"]:
-        name = _plain(h.get("host"))
-        state = _plain(h.get("status"))
-        colour = {"alive": "green", "waiting": "yellow", "lost": "red"}.get(state, "dim")
-        updated = _number(h.get("updated", now))
-        hosts.add_row(_text(name + (" (root)" if name == root else "")),
-                      _text(state, colour), _text(h.get("pid", "")),
-                      _text(_ranks(h.get("ranks"))), _text(h.get("round", "")),
-                      _text(h.get("restart_count", 0)),
-                      "-" if updated is None else f"{now - updated:.0f} s ago")
-    console.print(hosts)
+    _render_hosts(console, status, root, now)
     stopped = status.get("stopped")
     if isinstance(stopped, dict):
         console.print(Text.assemble(("stopped for good", "bold red"),
@@ -114,6 +101,35 @@ def _render(status: dict[str, Any], url: str, *, clear: bool) -> None:
             events.add_row(_clock(e.get("ts", 0)), _text(e.get("host", "")),
                            _text(e.get("event", "")), _text(_short(detail)))
         console.print(events)
+
+
+def _render_hosts(console: Any, status: dict[str, Any], root: str, now: float) -> None:
+    """The hosts table, with each host's pace (straggler score), and the stragglers."""
+    from rich.table import Table
+    from rich.text import Text
+
+    hosts = Table(title="hosts")
+    for column in ("host", "status", "pid", "ranks", "round", "restarts", "changed", "pace"):
+        hosts.add_column(column)
+    verdict = _dict(status.get("stragglers"))
+    scores = _dict(verdict.get("scores"))
+    slow = {_plain(h) for h in verdict.get("stragglers") or [] if isinstance(h, str)}
+    for h in status["hosts"]:
+        name = _plain(h.get("host"))
+        state = _plain(h.get("status"))
+        colour = {"alive": "green", "waiting": "yellow", "lost": "red"}.get(state, "dim")
+        updated = _number(h.get("updated", now))
+        hosts.add_row(_text(name + (" (root)" if name == root else "")),
+                      _text(state, colour), _text(h.get("pid", "")),
+                      _text(_ranks(h.get("ranks"))), _text(h.get("round", "")),
+                      _text(h.get("restart_count", 0)),
+                      "-" if updated is None else f"{now - updated:.0f} s ago",
+                      _pace(scores.get(h.get("host")), name in slow))
+    console.print(hosts)
+    if slow:
+        console.print(Text.assemble(("stragglers: ", "bold red"), _plain(", ".join(
+            f"{host} ({_number(scores.get(host)) or 0:.2f}x the median host's own work)"
+            for host in sorted(slow)))))
 
 
 #: The parts of a run's wall time as ``gemini status`` draws them (launcher.goodput).
@@ -165,6 +181,19 @@ def _duration(seconds: float) -> str:
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m{rest:02d}s" if hours else (
         f"{minutes}m{rest:02d}s" if minutes else f"{seconds:.1f} s")
+
+
+def _pace(score: object, straggler: bool) -> Text:
+    """A host's own work per step against the median host's (its straggler score)."""
+    from rich.text import Text
+
+    value = _number(score)
+    return Text("-" if value is None else f"{value:.2f}x" + (" straggler" if straggler else ""),
+                style="red" if straggler else "")
+
+
+def _dict(value: object) -> dict[Any, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _plain(value: object) -> str:

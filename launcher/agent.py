@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from launcher.coordination import CoordinationService
     from launcher.elastic_agent import GeminiAgent, SupervisorService
+    from launcher.health import HealthService
     from launcher.heartbeat import HeartbeatService
     from launcher.slots import SlotOwner
     from launcher.store import Store as GeminiStore
@@ -247,7 +248,6 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
     interpreters; what was opened is closed again when a later one fails."""
     from launcher.config import default_store_url
     from launcher.coordination import CoordinationService
-    from launcher.goodput import GoodputService
     from launcher.health import HealthService
     from launcher.rendezvous import drop_gone_nodes
     from launcher.slots import SlotOwner
@@ -279,9 +279,7 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
         health = HealthService(owner.prefix, launch_config.nproc_per_node,
                                hang_timeout=config.hang_timeout, events=events)
         services.append(health)
-        goodput = GoodputService(health.progress, events, coordination.goodput_records)
-        services.append(goodput)
-        coordination.goodput = goodput.record
+        services += _progress_services(config, launch_config, health, events, coordination)
         if memory.persist is not None:
             coordination.persist_status = memory.persist.status
         if memory.replication is not None:
@@ -310,6 +308,28 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
         raise
     return _Host(run_dir=run_dir, owner=owner, events=events, coordination=coordination,
                  memory=memory, services=(*services, *extra_services), unwatch=unwatch)
+
+
+def _progress_services(config: RunConfig, launch_config: Any, health: HealthService,
+                       events: EventLog, coordination: CoordinationService
+                       ) -> list[SupervisorService]:
+    """What the workers' progress words feed: the run's goodput, and with several hosts
+    the search for stragglers; each publishes through the coordination store."""
+    from launcher.goodput import GoodputService
+    from launcher.stragglers import StragglerService
+
+    goodput = GoodputService(health.progress, events, coordination.goodput_records)
+    coordination.reports["goodput"] = goodput.record
+    if config.straggler_threshold <= 0 or launch_config.max_nodes <= 1:
+        return [goodput]
+    stragglers = StragglerService(health.progress, events, coordination.host_id,
+                                  threshold=config.straggler_threshold,
+                                  window=config.straggler_window,
+                                  replace=config.replace_stragglers)
+    coordination.reports["pace"] = stragglers.pace
+    coordination.judge = stragglers.evaluate
+    coordination.on_verdict = stragglers.verdict
+    return [goodput, stragglers]
 
 
 def _heartbeat_service(config: RunConfig, coordination: CoordinationService,

@@ -200,6 +200,16 @@ class RunConfig:
     """When a strict majority of three or more replicas outvotes this host's state, this
     host leaves the job (exit 6) and a spare or the others go on from the agreed step,
     instead of every host rolling back."""
+    straggler_threshold: float = _gemini(1.25, "RATIO")
+    """A host whose workers' own work per step (the time before they wait for the others)
+    is at least RATIO times the median host's for a whole ``straggler_window`` is a
+    straggler: reported in ``gemini status`` and as an event (0: off)."""
+    straggler_window: float = _gemini(20.0, "SECONDS")
+    """Seconds over which a host's own work is averaged, and for which it must stay
+    above (or, to stop being one, below) the threshold."""
+    replace_stragglers: bool = _gemini(False)
+    """With a ready spare, a straggler leaves the job (exit 6) and the spare takes its
+    node slot as after a host loss; without one, stragglers are only reported."""
     max_same_failures: int = _gemini(3, "N")
     """Restarts failing the same way with no new step in between before the job stops for
     good with exit code 7 (do not requeue); 0: never."""
@@ -232,6 +242,10 @@ class RunConfig:
             ("persist_keep", self.persist_keep >= 1, ">= 1"),
             ("exit_grace", 0 <= self.exit_grace <= DAY, "between 0 and 86400 seconds"),
             ("max_same_failures", self.max_same_failures >= 0, ">= 0"),
+            ("straggler_threshold", self.straggler_threshold == 0
+             or 1 < self.straggler_threshold < math.inf, "0 (off) or more than 1, finite"),
+            ("straggler_window", 1 <= self.straggler_window <= DAY,
+             "between 1 and 86400 seconds"),
             ("node_rank", self.node_rank >= 0, ">= 0"),
             ("max_restarts", self.max_restarts >= 0, ">= 0"),
             ("monitor_interval", 0 < self.monitor_interval <= DAY, "> 0 and at most 86400"),

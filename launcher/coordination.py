@@ -18,7 +18,11 @@ Key layout (all under ``gemini/runs/<run_id>/``)::
                             and it restarts them (bound to its lease): every member of
                             that round restarts at once (``report_failure``)
     goodput/<host>          JSON: the run's goodput ledger as ``host`` keeps it
-                            (``launcher.goodput``), written every GOODPUT_EVERY seconds
+                            (``launcher.goodput``), written every REPORT_EVERY seconds
+    pace/<host>             JSON: ``host``'s own work per step (``launcher.stragglers``),
+                            written every REPORT_EVERY seconds
+    stragglers              JSON: the root's verdict on the hosts' paces: scores, the
+                            stragglers, those to replace
     suspects/<host>/<by>    "1", bound to ``by``'s lease: ``by`` gets no heartbeat answer
                             from ``host`` (``launcher.heartbeat``; a majority makes it lost)
     events/<ns>-<host>      JSON failure and recovery events (host_lost, worker_exit, ...);
@@ -112,8 +116,9 @@ def watchers(host: str, hosts: Iterable[str], fanout: int = FANOUT) -> list[str]
     return [ring[(at - k) % len(ring)] for k in range(1, min(fanout, len(ring) - 1) + 1)]
 
 
-#: Seconds between two writes of a host's goodput ledger (and one as it leaves).
-GOODPUT_EVERY = 2.0
+#: Seconds between two writes of a host's reports (goodput, pace; and one as it leaves),
+#: and between two verdicts of the root on the hosts' paces.
+REPORT_EVERY = 2.0
 
 #: Events kept in the store per run (the root deletes older ones); ``gemini status``
 #: shows the latest, and every host's events.jsonl keeps them all.
@@ -165,10 +170,16 @@ class CoordinationService:
         """Where this host holds the run's stored secret with its lease
         (``launcher.replication.service.load_secret``): moves the hold to a new lease
         (the new lease, the id of the one it replaces)."""
-        self.goodput: Callable[[], dict[str, Any] | None] | None = None
-        """This host's goodput ledger as of now (``GoodputService.record``), published
-        every :data:`GOODPUT_EVERY` seconds."""
-        self._goodput_at = 0.0  # monotonic time of its last publication
+        self.reports: dict[str, Callable[[], dict[str, Any] | None]] = {}
+        """What this host publishes every :data:`REPORT_EVERY` seconds as
+        ``<name>/<host>`` (``goodput``: ``GoodputService.record``, ``pace``:
+        ``StragglerService.pace``); a report of None is not written."""
+        self._reported_at = 0.0  # monotonic time of the last publication
+        self.judge: Callable[[dict[str, dict[str, Any]], int], dict[str, Any]] | None = None
+        """While root: the verdict on every host's ``pace`` report, given how many spares
+        are ready (``StragglerService.evaluate``), stored as ``stragglers``."""
+        self.on_verdict: Callable[[dict[str, Any]], None] | None = None
+        """Called with the ``stragglers`` verdict whenever it changes."""
         self.on_lost: Callable[[], None] | None = None
         """Called (from a background thread) whenever a host is found lost."""
         self.on_failed: Callable[[str, int, bool], None] | None = None
@@ -190,6 +201,8 @@ class CoordinationService:
         self._watch: Watch = store.watch_prefix(self.prefix + "alive/", self._on_alive)
         self._records: Watch = store.watch_prefix(self.prefix + "hosts/", self._on_record)
         self._failures: Watch = store.watch_prefix(self.prefix + "failed/", self._on_failed)
+        self._verdicts: Watch = store.watch_prefix(self.prefix + "stragglers",
+                                                   self._on_verdict)
         self._read_view()
         self._thread = threading.Thread(target=self._heartbeat, name="gemini-coordination",
                                         daemon=True)
@@ -429,7 +442,7 @@ class CoordinationService:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=self.ttl)
-        for watch in (self._watch, self._records, self._failures):
+        for watch in (self._watch, self._records, self._failures, self._verdicts):
             watch.cancel()
         self._keeper.stop()
         with self._lock:
@@ -441,7 +454,7 @@ class CoordinationService:
             return
         try:
             self._publish_steps()
-            self._publish_goodput(force=True)
+            self._publish_reports(force=True)
             self._flush()
             self._put_record()
             self._lease.revoke()
@@ -640,7 +653,7 @@ class CoordinationService:
                     self._reserve_ahead()
                     self._record_readiness()
                 self._publish_steps()
-                self._publish_goodput()
+                self._publish_reports()
                 self._flush()
                 self._campaign()
             except StoreError as exc:
@@ -696,14 +709,31 @@ class CoordinationService:
                 self.store.put(self.prefix + key, _dump({"step": step, "updated": time.time()}))
                 self._published[key] = step
 
-    def _publish_goodput(self, force: bool = False) -> None:
+    def _publish_reports(self, force: bool = False) -> None:
         now = time.monotonic()
-        if self.goodput is None or (not force and now - self._goodput_at < GOODPUT_EVERY):
+        if not force and now - self._reported_at < REPORT_EVERY:
             return
-        record = self.goodput()
-        if record is not None:
-            self.store.put(self.prefix + f"goodput/{self.host_id}", _dump(record))
-        self._goodput_at = now
+        self._reported_at = now
+        for name, report in self.reports.items():
+            record = report()
+            if record is not None:
+                self.store.put(self.prefix + f"{name}/{self.host_id}", _dump(record))
+        if self.is_root and self.judge is not None and not force:
+            paces = {key.rsplit("/", 1)[-1]: record for key, value in
+                     self.store.get_prefix(self.prefix + "pace/").items()
+                     if (record := _parse_record(value))}
+            with self._lock:
+                ready = sum(1 for host, record in self._view.items()
+                            if host in self._view_alive and record.get("state") == "waiting"
+                            and record.get("ready"))
+                running = {host for host, record in self._view.items()
+                           if host in self._view_alive and record.get("state") == "running"}
+            verdict = self.judge({h: r for h, r in paces.items() if h in running}, ready)
+            self.store.put(self.prefix + "stragglers", _dump(verdict))
+
+    def _on_verdict(self, key: str, value: bytes | None) -> None:
+        if self.on_verdict is not None and value is not None:
+            self.on_verdict(_parse_record(value))
 
     def goodput_records(self) -> list[dict[str, Any]]:
         """Every host's goodput ledger of the run as stored (read once, as a supervisor
@@ -783,6 +813,10 @@ class RunStatus:
     ``lag_seconds`` (None without replication)."""
     goodput: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Each host's goodput ledger (``launcher.goodput``), by host."""
+    paces: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each host's own work per step (``launcher.stragglers``), by host."""
+    stragglers: dict[str, Any] | None = None
+    """The root's verdict on the paces: ``scores``, ``stragglers``, ``replace``."""
     stopped: dict[str, Any] | None = None
     """Why a host stopped the job for good (``host``, ``reason``: the no-progress guard),
     None unless one did since the run last started."""
@@ -803,7 +837,8 @@ class RunStatus:
                 "ranks": {str(k): v for k, v in sorted(self.ranks.items())},
                 "spares": self.spares, "ready_spares": self.ready_spares,
                 "replication": self.replication, "stopped": self.stopped,
-                "goodput": self.goodput_report(), "events": self.events}
+                "goodput": self.goodput_report(), "stragglers": self.stragglers,
+                "paces": self.paces, "events": self.events}
 
     def goodput_report(self) -> dict[str, Any] | None:
         """The run's goodput: the root's ledger (else the newest), with every host's ETTR
@@ -903,6 +938,10 @@ def read_status(store: Store, run_id: str, *, max_events: int = 20) -> RunStatus
                 status.stopped = _record(value)
             elif kind == "goodput":
                 status.goodput[name] = _record(value)
+            elif kind == "pace":
+                status.paces[name] = _record(value)
+            elif kind == "stragglers":
+                status.stragglers = _record(value)
         except (ValueError, UnicodeDecodeError):
             logger.warning("unreadable store value at %s", key)
     for name, record in sorted(hosts.items()):

@@ -99,9 +99,10 @@ class HealthService:
                 return
 
     def progress(self) -> list[tuple[int, ...]]:
-        """Each running worker's words (indexed by ``memory.BEAT`` ... ``memory.RESTORED``,
+        """Each running worker's words (indexed by ``memory.BEAT`` ... ``memory.OWN_STEPS``,
         by local rank); [] while no round runs."""
-        return [struct.unpack_from("7Q", self._segment.view, r * memory.HEARTBEAT_STRIDE)
+        return [struct.unpack_from(f"{memory.HEARTBEAT_WORDS}Q", self._segment.view,
+                                   r * memory.HEARTBEAT_STRIDE)
                 for r in sorted(self._pids)]
 
     def progressed(self) -> bool:

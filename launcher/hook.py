@@ -83,6 +83,7 @@ from launcher.copier import (
     slot_bytes,
 )
 from launcher.errors import CheckpointError, StorageError
+from launcher.stragglers import PaceClock
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,7 @@ class Checkpointer:
         self._heartbeat: memory.Segment | None = None
         self._beat_view: memoryview | None = None  # this rank's counter in it
         self._beats = 0
+        self._pace: PaceClock | None = None  # this rank's own work per step (stragglers)
         # Seconds the training loop has spent blocked in save() and in waits for a copy
         # (wait(), the optimizer pre-step hook): how long checkpointing has stalled it.
         self.stalled = 0.0
@@ -459,6 +461,9 @@ class Checkpointer:
                 self._pins.close()
             if self._beat_view is not None and self._heartbeat is not None:
                 self._beat_view[memory.BEAT] = memory.HEARTBEAT_DONE  # no hang from here on
+                if self._pace is not None:
+                    self._pace.close()
+                    self._pace = None
                 self._beat_view.release()
                 self._beat_view = None
                 self._heartbeat.close()
@@ -530,6 +535,9 @@ class Checkpointer:
                 except AttributeError:  # a wrapper that skipped Optimizer.__init__
                     continue  # (accelerate's): the optimizer it wraps is found too
                 self._waiting.append(optimizer)
+                if self._pace is not None:  # FSDP's gradients hold its waits: not timed
+                    self._pace.watch(p for group in optimizer.param_groups
+                                     for p in group["params"] if not is_dtensor(p))
 
     def _guarded(self) -> list[torch.Tensor]:
         """The tensors that change only in an optimizer step, which waits for the copy: the
@@ -776,6 +784,8 @@ class Checkpointer:
         them. Any other optimizer may change parameters before it calls its closure (SAM
         perturbs them first): it waits before the step."""
         self.heartbeat()
+        if self._pace is not None:
+            self._pace.step()
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
         if not callable(closure) or not type(optimizer).__module__.startswith("torch.optim."):
             self.wait()
@@ -805,6 +815,7 @@ class Checkpointer:
             self._heartbeat = segment
             self._beat_view = memoryview(segment.view)[
                 offset:offset + memory.HEARTBEAT_STRIDE].cast("Q")
+            self._pace = PaceClock(self._beat_view)
         else:
             segment.close()
 

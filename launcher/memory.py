@@ -213,17 +213,20 @@ def parse_slot_name(name: str) -> SlotName | None:
                     match.group("kind") == "x")
 
 
-#: The heartbeat segment of a run on a host (``launcher.health``): a cache line per local
-#: rank of native 64-bit words, written by the worker's Checkpointer, read by its
+#: The heartbeat segment of a run on a host (``launcher.health``): two cache lines per
+#: local rank of native 64-bit words, written by the worker's Checkpointer, read by its
 #: supervisor: a counter bumped at every optimizer step and save (hang detection), and
 #: the rank's progress (``launcher.goodput``): the number of steps done (the last step
 #: saved or restored, plus one), when its save returned, how long saves and waits for
 #: copies have blocked training (ns), when ``restore()`` began and ended, and the steps
 #: done as it returned (times in ns of CLOCK_MONOTONIC, the same clock in every process
-#: of a host; 0: not yet).
+#: of a host; 0: not yet); and the rank's own work (``launcher.stragglers``): the ns it
+#: spent between optimizer steps until its last gradient, and over how many steps.
 HEARTBEAT_SUFFIX = "heartbeat"
-HEARTBEAT_STRIDE = 64
-BEAT, STEPS_DONE, SAVED_AT, STALLED, RESTORE_BEGAN, RESTORE_ENDED, RESTORED = range(7)
+HEARTBEAT_STRIDE = 128
+(BEAT, STEPS_DONE, SAVED_AT, STALLED, RESTORE_BEGAN, RESTORE_ENDED, RESTORED, OWN_NS,
+ OWN_STEPS) = range(9)
+HEARTBEAT_WORDS = 9
 #: The count a worker leaves when it closes its Checkpointer: nothing more to watch.
 HEARTBEAT_DONE = (1 << 64) - 1
 

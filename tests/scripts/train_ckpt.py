@@ -59,6 +59,12 @@ p.add_argument("--flip-param", default="", metavar="RANK:STEP",
 p.add_argument("--step-log", default="", metavar="FILE",
                help="rank 0 appends 'start T' as it starts and 'step S T' as each step ends "
                "(wall-clock seconds): the workload's own record of its goodput")
+p.add_argument("--loader-jitter", type=float, default=0.0, metavar="SECONDS",
+               help="each step first waits a random 0..SECONDS, the same distribution on "
+               "every rank: a data loader with hiccups")
+p.add_argument("--pause-every", default="", metavar="N:SECONDS",
+               help="after every N-th step, pause SECONDS without an optimizer step: an "
+               "evaluation")
 p.add_argument("--report-slots", action="store_true",
                help="rank 0 prints the bytes of the last step in the host's own slots "
                "(every rank's) and the bytes of one model and optimizer state")
@@ -131,7 +137,10 @@ if copy_kill_steps:
         copier.CopyWorker.copy_all = copy_then_die if step in copy_kill_steps else real_copy
 
 
+jitter = random.Random(rank)  # not the global RNG: the training's draws stay the same
 for step in range(start, args.steps):
+    if args.loader_jitter:
+        time.sleep(jitter.uniform(0, args.loader_jitter))
     g = torch.Generator().manual_seed(step * 1000 + rank)
     x = torch.randn(16, args.width, generator=g)
     y = x.sum(dim=1, keepdim=True).sin() + 0.01 * torch.rand(16, 1)  # global RNG used too
@@ -179,6 +188,8 @@ for step in range(start, args.steps):
         print(f"step {step} loss {loss.item():.6f}", flush=True)
     restart_stamps.step_done(rank)
     log_step(f"step {step}")
+    if args.pause_every and (step + 1) % int(args.pause_every.split(":")[0]) == 0:
+        time.sleep(float(args.pause_every.split(":")[1]))
     if args.sleep:
         time.sleep(args.sleep)
 
