@@ -173,6 +173,8 @@ def parse_args() -> argparse.Namespace:
                         help="instead of gemini's hook, rank 0 writes the state to PATH with "
                              "torch.save (and fsync) every step, and every rank resumes from "
                              "it with torch.load: a plain torchrun job (benchmark baselines)")
+    parser.add_argument("--torch-save-every", type=int, default=1, metavar="N",
+                        help="with --torch-save, write every N-th step only")
     return parser.parse_args()
 
 
@@ -314,7 +316,7 @@ def main() -> None:  # noqa: C901
             args.alternate_saves <= 0 or (step // args.alternate_saves) % 2 == 0)
         if saving:
             ckpt.save(step)  # a large state finishes copying in the background
-        elif args.torch_save and rank == 0:
+        elif args.torch_save and rank == 0 and (step + 1) % args.torch_save_every == 0:
             saved = time.perf_counter()
             save_to_disk(args.torch_save, step, model, optimizer, scheduler)
             stalled -= time.perf_counter() - saved

@@ -1,0 +1,391 @@
+"""Fault campaign: goodput (ETTR) under random faults, gemini beside torchrun + torch.save.
+
+Two simulated hosts on this machine train the example GPT (about 250 MiB of model and
+AdamW state per host, one worker each, a batch of 16 tokens, then 0.5 s of stand-in GPU
+time per step with the CPU free, one core per host: as ``replication_bench.py``'s host
+loss). Faults come at random, a Poisson process with a mean of ``--mtbf`` seconds drawn
+from ``--seed``, the same times and kinds for every system, in roughly the proportions
+that studies of large training runs report (most interruptions are hardware, GPUs and
+hosts; the rest software and the worker processes; Meta's Llama 3 run: 419 unexpected
+interruptions in 54 days, 78% hardware):
+
+* ``worker`` (40%): one worker SIGKILLed;
+* ``host`` (40%): a host SIGKILLed, supervisor, workers and memory;
+* ``freeze`` (10%): a host SIGSTOPped (no connection is ever refused), killed once the
+  job has stepped on without it;
+* ``store`` (10%): the coordination store (etcd) restarted.
+
+A lost host is replaced the way a scheduler would: gemini starts a new spare at once (the
+job keeps one hot spare: three hosts, two in the group); torchrun's job is restarted
+whole at once (its c10d rendezvous cannot admit a replacement host into a later round),
+and a frozen host stops it until a watchdog (``--hang-after``, 60 s) restarts it, as
+torchrun itself waits for gloo's 30-minute timeout; a store restart does not concern it
+(its store lives in the agent of host 0). A fault is injected only once the job has
+completed a step since the previous one (a fault in the middle of a recovery is
+postponed). torchrun writes its checkpoint with torch.save every N steps, N at Young's
+optimum sqrt(2 C M) for the write time C measured first and the job's MTBF M.
+
+Measured, per system: ETTR from the workload's own step log (the example's "step N"
+lines as they arrive: every step counted once, at its median step time, over the
+campaign's wall time from the launch), the faults, and the mean time lost per fault
+((wall - useful) / faults). For gemini also its live figure (``gemini status --json``
+at the end) and the planner's prediction (``gemini plan --job-mtbf``, with the measured
+step time and the campaign's mix: host share = host + freeze faults among those that
+stop training).
+
+    python benchmarks/campaign_bench.py --minutes 15 --mtbf 60,300
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from common import machine, table  # noqa: E402
+from etcd_server import EtcdServer  # noqa: E402
+from replication_bench import (  # noqa: E402
+    EXAMPLE,
+    GEMINI,
+    IDLE,
+    LOSS_MODEL,
+    Host,
+    _events,
+    _free_port,
+    _shm_dir,
+    _signal_tree,
+)
+
+FAULTS = (("worker", 0.4), ("host", 0.4), ("freeze", 0.1), ("store", 0.1))
+STEP = re.compile(r"^step (\d+) ")
+HOST_BYTES = 250 << 20  # LOSS_MODEL's model and AdamW state, for the planner
+
+
+def schedule(seed: int, mtbf: float, seconds: float) -> list[tuple[float, str]]:
+    """(offset from the start, kind) of each fault: exponential gaps of mean ``mtbf``."""
+    rng = random.Random(seed)
+    kinds, weights = [k for k, _ in FAULTS], [w for _, w in FAULTS]
+    found, at = [], rng.expovariate(1 / mtbf)
+    while at < seconds:
+        found.append((at, rng.choices(kinds, weights)[0]))
+        at += rng.expovariate(1 / mtbf)
+    return found
+
+
+class Job:
+    """One system's job: its hosts, how each fault is done to it, and its steps."""
+
+    name = ""
+
+    def __init__(self, tmp: str, shm: str, etcd: EtcdServer) -> None:
+        self.tmp, self.shm, self.etcd = tmp, shm, etcd
+        self.hosts: dict[str, Host] = {}
+        self.gone: list[Host] = []  # hosts killed: their step lines still count
+        self.count = 0
+        self.env = dict(os.environ, GEMINI_RUN_ROOT=f"{tmp}/runs", PYTHONWARNINGS="ignore",
+                        OMP_NUM_THREADS="1")
+        self.train = [EXAMPLE, "--steps", "100000", "--sleep", str(IDLE), *LOSS_MODEL]
+
+    def steps(self) -> list[tuple[float, int, int]]:
+        """(time, step, stream) of every step line of every host, old and new."""
+        found = []
+        for stream, host in enumerate([*self.gone, *self.hosts.values()]):
+            for at, line in list(host.lines):
+                if match := STEP.match(line):
+                    found.append((at, int(match.group(1)), stream))
+        return sorted(found)
+
+    def stepped_since(self, since: float) -> bool:
+        return any(at > since for at, _, _ in self.steps())
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def applies(self, kind: str) -> bool:
+        """Whether a fault of ``kind`` concerns this system."""
+        return True
+
+    def fault(self, kind: str, rng: random.Random) -> Callable[[], None] | None:
+        """Do a fault of ``kind``; what to do once the job stepped on, if anything."""
+        raise NotImplementedError
+
+    def live(self) -> dict[str, Any] | None:
+        """The system's own goodput figure, if it has one."""
+        return None
+
+    def drop(self, name: str) -> None:
+        host = self.hosts.pop(name)
+        host.kill()
+        self.gone.append(host)
+
+    def close(self) -> None:
+        for name in list(self.hosts):
+            self.drop(name)
+
+
+class Gemini(Job):
+    name = "gemini (hot spare)"
+
+    def start(self) -> None:
+        self.run_id = f"campaign-{os.getpid()}-{time.monotonic_ns()}"
+        for _ in range(3):  # two in the group, one spare
+            self._host()
+
+    def _host(self) -> None:
+        name = f"h{self.count}"
+        argv = [*GEMINI, "--nnodes", "2:2", "--nproc-per-node", "1", "--rdzv-backend",
+                "etcd-v3", "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.run_id,
+                "--rdzv-conf", "last_call_timeout=1", "--store", self.etcd.url,
+                "--max-restarts", "1000", "--replication-addr", "127.0.0.1", *self.train]
+        self.hosts[name] = Host(argv, dict(self.env, GEMINI_HOST_ID=name,
+                                           GEMINI_SHM_DIR=_shm_dir(self.shm, self.count)))
+        self.count += 1
+
+    def members(self) -> list[str]:
+        """Live hosts that ever started workers (a spare has not)."""
+        started = {str(e["host"]) for e in _events(Path(self.tmp) / "runs")
+                   if e["event"] == "start"}
+        return sorted(started & set(self.hosts)) or sorted(self.hosts)[:2]
+
+    def fault(self, kind: str, rng: random.Random) -> Callable[[], None] | None:
+        victim = rng.choice(self.members())
+        if kind == "worker":
+            starts = [e for e in _events(Path(self.tmp) / "runs")
+                      if e["event"] == "start" and e["host"] == victim]
+            try:
+                os.kill(int(starts[-1]["workers"][0]["pid"]), signal.SIGKILL)  # type: ignore[index]
+            except (IndexError, ProcessLookupError):
+                pass
+        elif kind == "host":
+            self.drop(victim)
+            self._host()  # the scheduler's replacement waits as the next spare
+        elif kind == "freeze":
+            _signal_tree(self.hosts[victim].proc.pid, signal.SIGSTOP)
+
+            def after() -> None:  # once the job stepped on without it
+                self.drop(victim)
+                self._host()
+            return after
+        elif kind == "store":
+            self.etcd.stop()
+            time.sleep(1.0)
+            self.etcd.start()
+        return None
+
+    def live(self) -> dict[str, Any] | None:
+        shown = subprocess.run([sys.executable, "-m", "gemini_cli", "status", "--store",
+                                self.etcd.url, "--run-id", self.run_id, "--json"],
+                               capture_output=True, text=True, env=self.env, timeout=60)
+        if shown.returncode != 0:
+            return None
+        report: dict[str, Any] | None = json.loads(shown.stdout).get("goodput")
+        return report
+
+
+class Torchrun(Job):
+    name = "torchrun + torch.save"
+
+    def __init__(self, *args: Any, every: int, hang_after: float) -> None:
+        super().__init__(*args)
+        self.every, self.hang_after = every, hang_after
+        self.frozen_at: float | None = None
+
+    def start(self) -> None:
+        self.port, self.run_id = _free_port(), f"campaign-{time.monotonic_ns()}"
+        for i in range(2):  # host 0 serves the c10d store: start it first
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                    "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                    f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id, "--rdzv-conf",
+                    f"last_call_timeout=1,is_host={int(i == 0)}", "--max-restarts", "1000",
+                    "--monitor-interval", "0.1", *self.train, "--torch-save",
+                    f"{self.tmp}/ckpt.pt", "--torch-save-every", str(self.every)]
+            self.hosts[f"t{self.count}"] = Host(argv, dict(
+                self.env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+            self.count += 1
+            time.sleep(0.5)
+
+    def restart(self) -> None:
+        for name in list(self.hosts):
+            self.drop(name)
+        self.start()
+
+    def fault(self, kind: str, rng: random.Random) -> Callable[[], None] | None:
+        victim = rng.choice(sorted(self.hosts))
+        if kind == "worker":
+            for proc in _children(self.hosts[victim].proc.pid):
+                if "train_gpt.py" in " ".join(proc.cmdline()):
+                    proc.kill()
+        elif kind == "host":
+            self.restart()
+        elif kind == "freeze":
+            _signal_tree(self.hosts[victim].proc.pid, signal.SIGSTOP)
+            time.sleep(self.hang_after)  # until the watchdog restarts the job
+            self.restart()
+        return None
+
+    def applies(self, kind: str) -> bool:
+        return kind != "store"
+
+
+def _children(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        return list(psutil.Process(pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return []
+
+
+def log_ettr(steps: list[tuple[float, int, int]], began: float, ended: float
+             ) -> tuple[float, float, int]:
+    """ETTR by the step lines: distinct steps x median step (consecutive steps of one
+    stream) / wall time; and the median step and the steps."""
+    done = {step for at, step, _ in steps if at <= ended}
+    last: dict[int, tuple[float, int]] = {}
+    durations = []
+    for at, step, stream in steps:
+        if stream in last and step == last[stream][1] + 1:
+            durations.append(at - last[stream][0])
+        last[stream] = (at, step)
+    median = statistics.median(durations) if durations else 0.0
+    return len(done) * median / (ended - began), median, len(done)
+
+
+def campaign(job: Job, faults: list[tuple[float, str]], seconds: float, seed: int
+             ) -> dict[str, Any]:
+    rng = random.Random(seed + 1)
+    began = time.time()
+    job.start()
+    done = postponed = 0
+    last = began
+    injected: list[tuple[float, str]] = []
+
+    def wait_for_a_step() -> bool:
+        """Wait for a step since the last fault; False once the campaign is over."""
+        while not job.stepped_since(last):
+            if time.time() >= began + seconds:
+                return False
+            time.sleep(0.1)
+        return True
+
+    for offset, kind in faults:
+        while time.time() < began + offset:
+            time.sleep(0.1)
+        if not job.applies(kind):
+            continue
+        postponed += not job.stepped_since(last)
+        if not wait_for_a_step():
+            break
+        after = job.fault(kind, rng)
+        last = time.time()
+        injected.append((last, kind))
+        if after is not None and wait_for_a_step():
+            after()
+            last = time.time()
+        done += 1
+    while time.time() < began + seconds:
+        time.sleep(0.5)
+    ended = time.time()
+    live = job.live()
+    lines = job.steps()
+    ettr, step, steps = log_ettr(lines, began, ended)
+    _each_fault(job.name, lines, injected, began)
+    job.close()
+    return {"ettr": ettr, "step": step, "steps": steps, "faults": done,
+            "postponed": postponed, "wall": ended - began, "live": live}
+
+
+def _each_fault(name: str, lines: list[tuple[float, int, int]],
+                injected: list[tuple[float, str]], began: float) -> None:
+    """What each fault cost (until the next step, and the steps redone), on stderr."""
+    for at, kind in injected:
+        before = max((s for t, s, _ in lines if t <= at), default=-1)
+        resumed = next(((t, s) for t, s, _ in lines if t > at), None)
+        if resumed is not None:
+            print(f"  {name}: {kind} at +{at - began:.0f} s: next step {resumed[0] - at:.1f} s "
+                  f"later, {max(0, before - resumed[1] + 1)} steps redone", file=sys.stderr)
+
+
+def save_time(tmp: str) -> float:
+    """Seconds rank 0's torch.save of the example's state takes (C of Young's interval)."""
+    out = subprocess.run([sys.executable, EXAMPLE, "--steps", "6", *LOSS_MODEL, "--torch-save",
+                          f"{tmp}/probe.pt"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    match = re.search(r"median_stall_ms=([\d.]+)", out.stdout)
+    if match is None:
+        raise RuntimeError(out.stdout[-2000:] + out.stderr[-2000:])
+    return float(match.group(1)) / 1000
+
+
+def predicted(mtbf: float, step: float, faults: list[tuple[float, str]]) -> float | None:
+    stopping = [k for _, k in faults if k != "store"]
+    if not stopping or step <= 0:
+        return None
+    share = sum(k in ("host", "freeze") for k in stopping) / len(stopping)
+    job_mtbf = mtbf * len(faults) / len(stopping)
+    out = subprocess.run([sys.executable, "-m", "gemini_cli", "plan", "--nodes", "2",
+                          "--job-mtbf", f"{job_mtbf:.3f}", "--step-time", f"{step:.4f}",
+                          "--state-bytes", str(HOST_BYTES), "--host-share", f"{share:.3f}",
+                          "--spares", "1", "--json"], capture_output=True, text=True,
+                         timeout=60)
+    value: float = json.loads(out.stdout)["ettr"]
+    return value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=15.0, help="per system and rate")
+    parser.add_argument("--mtbf", default="60,300", help="mean seconds between faults")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--systems", default="gemini,torchrun")
+    parser.add_argument("--hang-after", type=float, default=60.0)
+    args = parser.parse_args()
+    seconds = args.minutes * 60
+    rows = []
+    with tempfile.TemporaryDirectory() as probe:
+        write = save_time(probe)
+    for mtbf in (float(m) for m in args.mtbf.split(",")):
+        faults = schedule(args.seed, mtbf, seconds)
+        for system in args.systems.split(","):
+            with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(
+                    dir="/dev/shm", prefix="bench-") as shm, EtcdServer() as etcd:
+                if system == "gemini":
+                    job: Job = Gemini(tmp, shm, etcd)
+                else:
+                    # Young: the step count nearest sqrt(2 C M), M the job's MTBF
+                    every = max(1, round((2 * write * mtbf) ** 0.5 / (IDLE + 0.1)))
+                    job = Torchrun(tmp, shm, etcd, every=every, hang_after=args.hang_after)
+                result = campaign(job, faults, seconds, args.seed)
+            live = result["live"]
+            plan = predicted(mtbf, result["step"], faults) if system == "gemini" else None
+            lost = (1 - result["ettr"]) * result["wall"] / max(1, result["faults"])
+            rows.append([f"{mtbf:g} s", job.name, f"{100 * result['ettr']:.1f}%",
+                         result["faults"], f"{lost:.1f} s",
+                         "-" if not live else f"{100 * live['ettr']:.1f}%",
+                         "-" if plan is None else f"{100 * plan:.1f}%",
+                         f"{1000 * result['step']:.0f} ms", result["steps"],
+                         getattr(job, "every", "every step")])
+            print(rows[-1], file=sys.stderr, flush=True)
+    print(f"machine: {machine()}; {args.minutes:g} minutes per system and rate, seed "
+          f"{args.seed}; torch.save of the state: {write:.2f} s")
+    print(table(["one fault every", "system", "ETTR (step log)", "faults",
+                 "lost per fault", "live ETTR", "planner", "median step", "steps",
+                 "checkpoint"], rows))
+
+
+if __name__ == "__main__":
+    main()
