@@ -53,21 +53,31 @@ logger = logging.getLogger(__name__)
 
 #: Steps a host's window must hold to be judged.
 MIN_STEPS = 5
+#: Optimizer steps in a row without the learned last gradient before every parameter is
+#: hooked again (see :class:`PaceClock`).
+RELEARN = 10
 
 
 class PaceClock:
     """A rank's own work per optimizer step, added to two words of its heartbeat line
     (``memory.OWN_NS``, ``memory.OWN_STEPS``). :meth:`watch` the parameters, call
-    :meth:`step` at every optimizer step (its pre-step hook)."""
+    :meth:`step` at every optimizer step (its pre-step hook).
+
+    The first timed step learns which parameter's gradient comes last; from then on only
+    that parameter keeps a hook (one call per step, whatever the model's size). When it
+    gets no gradient for :data:`RELEARN` steps in a row (frozen, or no longer last),
+    every parameter is hooked again to learn anew."""
 
     def __init__(self, view: memoryview) -> None:
         self._view: memoryview | None = view
-        self._hooked: set[int] = set()
+        self._params: dict[int, torch.Tensor] = {}  # every parameter watched, by id
+        self._handles: dict[int, Any] = {}  # the hooks in place, by parameter id
         self._boundary = 0  # perf_counter_ns of the last optimizer step's start
         self._last_grad = 0  # ... of the last gradient accumulated since
         self._cuda = False
         self._last_param: int | None = None  # the parameter whose gradient comes last
-        self._last_seen: int | None = None  # ... in the step under way
+        self._last_seen: int | None = None  # ... in the step under way, while learning
+        self._missed = 0  # steps in a row without the learned parameter's gradient
         self._events: deque[tuple[Any, Any]] = deque()  # (boundary, last gradient) on CUDA
         self._boundary_event: Any = None
         self._grad_event: Any = None
@@ -75,42 +85,60 @@ class PaceClock:
 
     def watch(self, params: Iterable[torch.Tensor]) -> None:
         """Time the gradients of ``params`` (the ones not watched yet)."""
-        for param in params:
-            if id(param) in self._hooked or not param.requires_grad:
-                continue
-            self._hooked.add(id(param))
+        new = [p for p in params if p.requires_grad and id(p) not in self._params]
+        for param in new:
+            self._params[id(param)] = param
             self._cuda = self._cuda or param.is_cuda
-            param.register_post_accumulate_grad_hook(self._grad)  # type: ignore[no-untyped-call]
+        if new:
+            self._learn_again()
+
+    def _learn_again(self) -> None:
+        self._last_param = None
+        for key, param in self._params.items():
+            if key not in self._handles:
+                self._handles[key] = param.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                    self._grad)
 
     def _grad(self, param: torch.Tensor) -> None:
         self._last_grad = time.perf_counter_ns()
-        if self._cuda:
-            self._last_seen = id(param)
-            if id(param) == self._last_param:  # the step's last gradient, on the stream
-                self._grad_event = _record()
+        self._last_seen = id(param)
+        if self._cuda and id(param) == self._last_param:  # the step's last, on the stream
+            self._grad_event = _record()
 
     def step(self) -> None:
         """An optimizer step starts: the span since the last one ends at its last gradient."""
         if self._view is None:
             return
         now = time.perf_counter_ns()
-        if self._cuda:
-            self._step_cuda()
-        elif self._boundary and self._last_grad > self._boundary:
+        graded = bool(self._boundary) and self._last_grad > self._boundary
+        if self._last_param is None:
+            if graded:  # learned: from now on only its hook stays
+                self._last_param = self._last_seen
+                for key in [k for k in self._handles if k != self._last_param]:
+                    self._handles.pop(key).remove()
+        elif not graded and self._boundary:
+            self._missed += 1
+            if self._missed >= RELEARN:
+                self._missed = 0
+                self._learn_again()
+        elif self._cuda:
+            self._missed = 0
+            self._read_cuda()
+        else:
+            self._missed = 0
             self._add(self._last_grad - self._boundary)
+        if self._cuda and self._last_param is not None:
+            self._boundary_event, self._grad_event = _record(), None
         self._boundary = now
 
-    def _step_cuda(self) -> None:
-        if self._last_param is None and self._last_grad > self._boundary:
-            self._last_param = self._last_seen  # learned: from now on only its hook records
-        elif self._boundary_event is not None and self._grad_event is not None:
+    def _read_cuda(self) -> None:
+        if self._boundary_event is not None and self._grad_event is not None:
             self._events.append((self._boundary_event, self._grad_event))
         while self._events and self._events[0][1].query():  # completed: read them
             began, ended = self._events.popleft()
             self._add(int(began.elapsed_time(ended) * 1e6))
         while len(self._events) > 4:  # never completed (a device reset?): forget them
             self._events.popleft()
-        self._boundary_event, self._grad_event = _record(), None
 
     def _add(self, nanoseconds: int) -> None:
         self._own += max(0, nanoseconds)
@@ -120,9 +148,12 @@ class PaceClock:
             self._view[memory.OWN_STEPS] = self._steps
 
     def close(self) -> None:
-        """Stop writing (the hooks stay on the parameters, and do nothing more)."""
+        """Stop: remove the hooks, write nothing more."""
         self._view = None
-        self._cuda = False
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
+        self._params.clear()
         self._events.clear()
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from launcher import memory
-from launcher.stragglers import Judgement, PaceClock, judge
+from launcher.stragglers import RELEARN, Judgement, PaceClock, judge
 
 THRESHOLD, WINDOW = 1.25, 30.0
 
@@ -80,10 +80,39 @@ def test_the_clock_times_the_work_before_the_last_gradient() -> None:
         time.sleep(0.05)  # waiting for the others
         optimizer.step()
         optimizer.zero_grad()
-    assert words[memory.OWN_STEPS] == 5  # the first step has no start before it
+    # the first step has no start before it, the second learns the last gradient's
+    # parameter (the only one hooked afterwards)
+    assert words[memory.OWN_STEPS] == 4 and len(clock._handles) == 1
     own = words[memory.OWN_NS] / words[memory.OWN_STEPS] / 1e9
     assert 0.02 <= own < 0.045, own  # the 20 ms of loading and the backward, not the 50 ms
     clock.close()
     model(torch.randn(8, 64)).sum().backward()  # a closed clock's hooks write nothing
     optimizer.step()
-    assert words[memory.OWN_STEPS] == 5
+    assert words[memory.OWN_STEPS] == 4 and not clock._handles
+
+
+def test_the_clock_learns_again_when_the_last_gradient_moves() -> None:
+    """The learned parameter frozen: after RELEARN steps without its gradient, every
+    parameter is hooked again, the new last one learned, and timing goes on."""
+    clock, words = _clock()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clock.watch(model.parameters())
+    optimizer.register_step_pre_hook(lambda *a: clock.step())
+
+    def steps(count: int) -> None:
+        for _ in range(count):
+            model(torch.randn(4, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    steps(4)
+    learned = next(iter(clock._handles))
+    frozen = next(p for p in model.parameters() if id(p) == learned)
+    frozen.requires_grad_(False)
+    timed = words[memory.OWN_STEPS]
+    steps(RELEARN + 1)
+    assert len(clock._handles) > 1 or next(iter(clock._handles)) != learned
+    steps(4)
+    assert len(clock._handles) == 1 and next(iter(clock._handles)) != learned
+    assert words[memory.OWN_STEPS] > timed
