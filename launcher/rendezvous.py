@@ -33,6 +33,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from launcher.errors import StoreError, StoreUncertainError
+from launcher.rendezvous_state import sync_patiently
 from launcher.store import EtcdCredentials, Store, open_store
 
 logger = logging.getLogger(__name__)
@@ -527,13 +528,15 @@ def _wake_on_change(delay: Any) -> Any:
 
 def _fresh_after_change(sync: Any) -> Any:
     """torch's state sync, which serves a cached state for a second: not once the
-    backend saw the state change since."""
+    backend saw the state change since. And patient with a value a newcomer cannot
+    verify (``rendezvous_state.sync_patiently``)."""
 
     def sync_fresh(self: Any) -> Any:
         changed = getattr(self._backend, "changed_at", None)
         if changed is not None and changed > self._last_sync_time:
             self._last_sync_time = -1
-        return sync(self)
+        return sync_patiently(sync, self, self._settings.keep_alive_interval,
+                              leftovers=self._backend.name != "c10d")
 
     return sync_fresh
 

@@ -147,6 +147,9 @@ INTERNALS: tuple[Internal, ...] = (
                          "redundancy_list", "last_heartbeats")),
     Internal(_DR, "_NodeDesc", "called", "launcher.rendezvous_state",
              params=("addr", "pid", "local_id")),
+    Internal("torch.distributed.elastic.rendezvous.c10d_rendezvous_backend",
+             "C10dRendezvousBackend._decode_state", "patched", "launcher.rendezvous_state",
+             params=("self", "base64_state")),
     # launcher.elastic_agent: GeminiAgent, torch's agent with gemini's rounds and services
     Internal(_LOCAL, "LocalElasticAgent", "subclassed", "launcher.elastic_agent",
              keywords=("spec", "logs_specs", "start_method", "log_line_prefix_template",
