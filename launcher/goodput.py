@@ -97,9 +97,9 @@ class Ledger:
         self.phase = "starting"
         self._steps, self._stalled = 0, 0.0
 
-    def ended(self, now: float, *, failure: bool) -> None:
-        """The round ended and this host restarts its workers (``failure``: its own or a
-        peer's workers failed; else the membership changed)."""
+    def ended(self, now: float) -> None:
+        """The round ended and this host restarts its workers (a failure here or on a
+        peer, or a change of hosts: each counts in ``failures``)."""
         if self.t0 is None or self.phase == "done":
             return
         self._account("detection" if self.phase == "training" else self._open_part(), now)
@@ -284,7 +284,7 @@ class GoodputService:
                     self._resume(now)
                 self.ledger.started(now)
             elif event == "restart":
-                self.ledger.ended(now, failure=fields.get("reason") == "failure")
+                self.ledger.ended(now)
             elif event == "exit":
                 self.ledger.finished(now)
 

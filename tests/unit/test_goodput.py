@@ -52,7 +52,7 @@ def test_a_failure_and_its_recovery_are_split_into_their_parts() -> None:
     _restore(ledger, 101.0, 101.5, 0)  # a fresh start: 1 s to restore(), 0.5 s in it
     last = _steps(ledger, 1, 10, 101.5)  # 10 steps of 1 s, 0.1 s of each a save's stall
     assert last == 111.5
-    ledger.ended(112.0, failure=True)  # known 0.5 s after the last step
+    ledger.ended(112.0)  # known 0.5 s after the last step
     ledger.started(113.0)  # rendezvous 1 s
     _restore(ledger, 113.5, 114.0, 8)  # the newest step every rank held: 8 steps done
     _steps(ledger, 9, 12, 114.0)  # 9 and 10 again, then 11 and 12
@@ -74,7 +74,7 @@ def test_a_live_ledger_counts_the_open_phase_up_to_now() -> None:
     ledger.started(0.0)
     _restore(ledger, 2.0, 2.5, 0)
     _steps(ledger, 1, 4, 2.5, stall=0.0)
-    ledger.ended(7.0, failure=False)  # a host joined or left
+    ledger.ended(7.0)  # a host joined or left
     report = ledger.report(9.0)  # still in the rendezvous
     assert report["lost_s"]["rendezvous"] == pytest.approx(2.0)
     assert report["lost_s"]["detection"] == pytest.approx(0.5)
@@ -115,7 +115,7 @@ def test_a_resumed_ledger_keeps_the_run_and_counts_the_gap_as_waiting() -> None:
     resumed = Ledger.resume(record, 31.0)
     assert resumed.t0 == 0.0 and resumed.resumed
     assert resumed.failures == 1  # written while training: what ended its writer
-    ledger.ended(12.5, failure=True)  # written after its writer's restart: counted there
+    ledger.ended(12.5)  # written after its writer's restart: counted there
     assert Ledger.resume(ledger.to_json(13.0), 31.0).failures == 1
     resumed.started(32.0)
     _restore(resumed, 32.5, 33.0, 14)  # the job ran on to 14 steps meanwhile, elsewhere
@@ -158,7 +158,7 @@ def test_the_newest_record_is_the_last_written() -> None:
 
 _EVENTS = st.lists(st.one_of(
     st.tuples(st.just("start"), st.floats(0, 5)),
-    st.tuples(st.just("end"), st.floats(0, 5), st.booleans()),
+    st.tuples(st.just("end"), st.floats(0, 5)),
     st.tuples(st.just("restore"), st.floats(0, 2), st.floats(0, 2), st.integers(0, 50)),
     st.tuples(st.just("steps"), st.integers(0, 20), st.floats(0.01, 3), st.floats(0, 0.5)),
 ), max_size=30)
@@ -176,7 +176,7 @@ def test_any_history_adds_up_to_the_wall_time(history: list, tail: float) -> Non
             ledger.started(now)
         elif item[0] == "end":
             now += item[1]
-            ledger.ended(now, failure=item[2])
+            ledger.ended(now)
         elif item[0] == "restore":
             steps = item[3]
             _restore(ledger, now + item[1], now + item[1] + item[2], steps)
