@@ -409,3 +409,31 @@ def test_etcd_with_user_authentication(tmp_path: Path, ns: str) -> None:
         assert "\n" not in str(wrong.value)
         with pytest.raises(StoreError, match="user name is empty"):
             open_store(server.url, timeout=2.0)
+
+
+@pytest.mark.etcd
+def test_a_role_limited_to_geminis_prefix_runs_a_job(tmp_path: Path) -> None:
+    """A user whose only role is `readwrite --prefix gemini/` runs a job whose
+    coordination store and etcd-v3 rendezvous are that etcd: gemini touches no other key
+    (its connect probe included)."""
+    from helpers import GEMINI, SCRIPTS, env_with
+
+    password = tmp_path / "password"
+    password.write_text("gem-pass\n")
+    with EtcdServer() as server:
+        server.etcdctl("user", "add", "gem:gem-pass")
+        server.etcdctl("role", "add", "gemini")
+        server.etcdctl("role", "grant-permission", "gemini", "--prefix=true", "readwrite",
+                       "gemini/")
+        server.etcdctl("user", "grant-role", "gem", "gemini")
+        server.enable_auth("root-pass")
+        done = run([*GEMINI, "run", "--nnodes", "1", "--nproc-per-node", "1", "--no-standby",
+                    "--rdzv-backend", "etcd-v3", "--rdzv-endpoint", server.endpoint,
+                    "--rdzv-id", "limited", "--store", server.url, "--store-user", "gem",
+                    "--store-password-file", str(password),
+                    str(SCRIPTS / "train_ckpt.py"), "--steps", "3"],
+                   env=env_with(tmp_path), timeout=120)
+        assert done.returncode == 0, done.output[-3000:]
+        keys = server.etcdctl("--user", "root:root-pass", "get", "", "--prefix",
+                              "--keys-only").split()
+        assert keys and all(k.startswith("gemini/") for k in keys), keys
