@@ -251,16 +251,45 @@ def bind_rendezvous_store() -> None:
 
 
 def listen_address(host: str) -> str | None:
-    """The address a store served for ``host`` should listen on, or None for every
-    interface (``host`` is a name)."""
+    """The address a store served for ``host`` should listen on: ``host`` itself for an
+    IP address, 127.0.0.1 for ``localhost``; for a name, the one address it resolves to
+    when that is an address of this machine other than a loopback one (a name that
+    resolves to several addresses, or to a loopback one, as Debian's /etc/hosts maps the
+    host's own name, is what peers elsewhere may resolve differently: None, every
+    interface)."""
     import ipaddress
+    import socket
 
     if host == "localhost":
         return "127.0.0.1"
     try:
         return str(ipaddress.ip_address(host.strip("[]")))
     except ValueError:
+        pass
+    try:
+        found = {str(info[4][0])
+                 for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
         return None
+    if len(found) != 1:
+        return None
+    address = found.pop()
+    if ipaddress.ip_address(address.split("%")[0]).is_loopback or not _local(address):
+        return None
+    return address
+
+
+def _local(address: str) -> bool:
+    """Whether ``address`` is one of this machine's (a socket can bind it)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address, 0))
+        except OSError:
+            return False
+    return True
 
 
 def _bound_store_factory(tcp_store: Any) -> Any:

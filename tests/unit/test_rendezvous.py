@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
 from launcher.rendezvous import _caller_name, assign_slots
@@ -169,3 +170,48 @@ def test_a_round_closes_once_every_live_node_rejoined() -> None:
     assert not all_rejoined(members, ["a", "c"], ["a", "c", "spare"])  # the spare joins too
     assert all_rejoined(members, ["a", "c", "spare"], ["a", "c", "spare"])
     assert not all_rejoined(frozenset(), ["a"], ["a"])
+
+
+def test_a_store_listens_where_its_endpoint_name_resolves_when_that_is_this_host() -> None:
+    """An IP address or localhost is bound as given; a name is bound to the one address
+    it resolves to when that is this machine's own and not a loopback one; else (a name
+    of a loopback address, as Debian maps a host's own name, or no local address at all)
+    every interface."""
+    import socket
+
+    from launcher.rendezvous import listen_address
+
+    assert listen_address("127.0.0.1") == "127.0.0.1"
+    assert listen_address("[::1]") == "::1"
+    assert listen_address("localhost") == "127.0.0.1"
+    assert listen_address("no-such-host.invalid") is None
+    own = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None,
+                                                     proto=socket.IPPROTO_TCP)}
+    want = None if len(own) != 1 or next(iter(own)).startswith("127.") else next(iter(own))
+    assert listen_address(socket.gethostname()) == want
+    assert listen_address("ip6-localhost") is None  # a loopback name: every interface
+
+
+def test_a_name_of_this_hosts_own_address_is_bound_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The name resolved (here by a stand-in resolver) to an address of this machine's
+    interfaces: that address; to an address that is not this machine's, or to two
+    addresses: every interface."""
+    import socket
+
+    import psutil
+
+    from launcher.rendezvous import listen_address
+
+    own = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+           if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if not own:
+        pytest.skip("this machine has no IPv4 address besides loopback")
+    names = {"head": [own[0]], "elsewhere": ["203.0.113.7"], "two": [own[0], "203.0.113.7"]}
+
+    def resolve(host: str, *args: object, **kwargs: object) -> list[tuple]:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, 0)) for a in names[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert listen_address("head") == own[0]
+    assert listen_address("elsewhere") is None
+    assert listen_address("two") is None
