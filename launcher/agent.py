@@ -283,7 +283,7 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
         if memory.persist is not None:
             coordination.persist_status = memory.persist.status
         if memory.replication is not None:
-            coordination.take_over = memory.take_over
+            coordination.spare.take_over = memory.take_over
         if launch_config.max_nodes > 1:
             print(f"gemini: coordination store {store!r}", file=sys.stderr, flush=True)
             _describe_host(coordination, memory, rdzv_handler)
@@ -298,7 +298,7 @@ def _open_host(config: RunConfig, launch_config: Any, rdzv_handler: Any,
             standbys = StandbyService(launch_config.nproc_per_node, entry_args,
                                       progressed=health.progressed)
             services.append(standbys)
-            coordination.standby_ready = standbys.ready
+            coordination.spare.standby_ready = standbys.ready
     except BaseException:
         for service in services:
             service.close()

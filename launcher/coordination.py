@@ -73,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from launcher.errors import StoreError, UsageError
+from launcher.spare import Spare
 from launcher.store import PRIVATE_SEGMENT, KeepAlive, Lease, Store, Watch
 
 if TYPE_CHECKING:
@@ -159,13 +160,6 @@ class CoordinationService:
         self._lost_nodes: dict[str, str] = {}  # lost host -> its rendezvous node
         self._unpruned = _PRUNE_EVERY  # events written since the last prune: prune at once
         self.persist_status: Callable[[], Mapping[int, int]] | None = None
-        self.take_over: Callable[[Mapping[int, list[tuple[tuple[str, int], int]]]], None] | None = None
-        """Called, while this host is a spare, with the copies of a lost host's ranks that
-        the peers hold (per rank, ``(replication address, step)``, best first): see
-        :meth:`_prepare_takeover`."""
-        self._taken_over: set[str] = set()
-        self.standby_ready: Callable[[], bool] | None = None
-        """Whether this host's standby workers wait with torch imported (None: none kept)."""
         self.rehold_secret: Callable[[Lease, int], None] | None = None
         """Where this host holds the run's stored secret with its lease
         (``launcher.replication.service.load_secret``): moves the hold to a new lease
@@ -192,8 +186,9 @@ class CoordinationService:
         self._campaigning = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()  # publish the record now, not at the next beat
-        self._reserving: threading.Thread | None = None  # see _reserve_ahead
-        self._reserved_for = 0  # the slot size the last finished reservation was for
+        self.spare = Spare(store, self.prefix, owner, running_slot_bytes=self._slot_sizes,
+                           peers=lambda: self.running_peers(fresh=True), changed=self._wake.set)
+        """What this host does while it waits as a spare (``launcher.spare``)."""
         self._lease: Lease = store.grant_lease(ttl)
         self._keeper: KeepAlive = store.keep_alive(self._lease)
         store.delete(self.prefix + "stopped")  # an earlier job's, of the same run id
@@ -214,7 +209,7 @@ class CoordinationService:
             self._record.update(ranks=[w.global_rank for w in group.workers], state="running",
                                 group_rank=group.group_rank, round=self._record["round"] + 1)
             self._record.pop("ready", None)
-        self._reserved_for = 0  # its ranks take the reserved slots: reserve again if it waits
+        self.spare.joined()
         self._wake.set()  # peers ping a host once its record says it runs
 
     def after_start(self, group: WorkerGroup) -> None:
@@ -389,48 +384,10 @@ class CoordinationService:
     def _found_lost(self, host: str, record: Mapping[str, Any]) -> None:
         if self.on_lost is not None:
             self.on_lost()
-        self._prepare_takeover(host, record)
-
-    def _prepare_takeover(self, host: str, record: Mapping[str, Any]) -> None:
-        """A spare that learns of a lost host looks up, in the background, which peers
-        hold replicas of the lost host's ranks and hands them to :attr:`take_over`: it can
-        bring them into its memory while the survivors stop and the next round forms,
-        which it most likely joins in the lost host's place."""
         with self._lock:
-            if (self.take_over is None or self._record["state"] != "waiting"
-                    or host in self._taken_over):
-                return
-            self._taken_over.add(host)
-        ranks = {rank for rank in record.get("ranks") or [] if isinstance(rank, int)}
-        if ranks:
-            threading.Thread(target=self._find_replicas, args=(ranks,),
-                             name="gemini-takeover", daemon=True).start()
-
-    def _find_replicas(self, ranks: set[int]) -> None:
-        """The copies of ``ranks`` on live peers: of the replication's globally
-        restorable step s* first (every holder keeps it; the round restores it, or a
-        newer step when one completed meanwhile), then of the newest step each peer
-        published (published every few seconds: it may be gone by now)."""
-        prefix = self.prefix + "replicas/"
-        try:  # read now: the watch of the records may not have delivered the latest yet
-            peers = self.running_peers(fresh=True)
-            found = self.store.get_prefix(prefix)
-            sstar = _parse_record(self.store.get(self.prefix + "replication/plan")).get("sstar")
-        except StoreError as exc:
-            logger.warning("cannot look up the replicas of a lost host: %s", exc)
-            return
-        copies: dict[int, list[tuple[tuple[str, int], int]]] = {}
-        for key, value in sorted(found.items()):
-            rank, _, holder = key[len(prefix):].partition("/")
-            step = _parse_record(value).get("step")
-            if rank.isdigit() and int(rank) in ranks and holder in peers and isinstance(step, int):
-                steps = [s for s in (sstar, step) if isinstance(s, int) and s >= 0]
-                copies.setdefault(int(rank), []).extend(
-                    (peers[holder], s) for s in dict.fromkeys(steps))
-        for held in copies.values():  # s* from every holder first
-            held.sort(key=lambda copy: copy[1] != sstar)
-        if copies and self.take_over is not None:
-            self.take_over(copies)
+            waiting = self._record["state"] == "waiting"
+        if waiting:
+            self.spare.host_lost(host, record)
 
     def lost_nodes(self) -> frozenset[str]:
         """The rendezvous nodes of the lost hosts whose node is known."""
@@ -650,8 +607,7 @@ class CoordinationService:
                     waiting = self._record["state"] == "waiting"
                 self._put_record()
                 if waiting:
-                    self._reserve_ahead()
-                    self._record_readiness()
+                    self._record_readiness(self.spare.wait())
                 self._publish_steps()
                 self._publish_reports()
                 self._flush()
@@ -659,38 +615,24 @@ class CoordinationService:
             except StoreError as exc:
                 logger.warning("coordination store unavailable, retrying: %s", exc)
 
-    def _reserve_ahead(self) -> None:
-        """A host waiting while others run (a spare) allocates and pre-faults the slots
-        of the ranks it may take over, as large as the largest slot of a running host,
-        in the background: when it replaces a lost host, its pull and its workers' first
-        saves then write into memory that is already there."""
-        if self._reserving is not None and self._reserving.is_alive():
-            return
-        nbytes = max((int(record.get("slot_bytes") or 0)
-                      for record in self._running().values()), default=0)
-        if nbytes <= 0 or nbytes == self._reserved_for:  # done for this size
-            return
-
-        def reserve() -> None:
-            self.owner.reserve(2 * self.owner.local_world_size, nbytes)
-            self._reserved_for = nbytes  # done (when short of memory: as far as it could)
-            self._wake.set()  # publish the readiness now
-
-        self._reserving = threading.Thread(target=reserve, name="gemini-reserve", daemon=True)
-        self._reserving.start()
-
-    def _record_readiness(self) -> None:
-        """A waiting host is ``ready`` (hot) once its slots are reserved for the running
-        hosts' slot size and its standby workers have torch imported; ``gemini status``
+    def _record_readiness(self, ready: bool) -> None:
+        """A waiting host is ``ready`` (hot) once :class:`Spare` says so; ``gemini status``
         shows it, and a spare that is not ready yet takes over more slowly."""
-        reserving = self._reserving is not None and self._reserving.is_alive()
-        standbys = self.standby_ready is None or self.standby_ready()
-        ready = bool(self._reserved_for) and not reserving and standbys
         with self._lock:
             changed = self._record.get("ready") != ready
             self._record["ready"] = ready
         if changed:
             self._wake.set()
+
+    def _slot_sizes(self) -> list[int]:
+        """The largest slot each running host published (what a spare reserves)."""
+        sizes = []
+        for record in self._running().values():
+            try:
+                sizes.append(int(record.get("slot_bytes") or 0))
+            except (TypeError, ValueError):
+                continue
+        return sizes
 
     def _publish_steps(self) -> None:
         persisted = self.persist_status() if self.persist_status is not None else {}

@@ -134,7 +134,7 @@ def test_a_host_whose_port_refuses_is_declared_dead_for_every_host(tmp_path: Pat
             hosts[name][0].describe(state="running", replication=["127.0.0.1", port],
                                     node=f"addr_{name}_0", ranks=[int(name[1])])
         h0, h2, spare = hosts["h0"][0], hosts["h2"][0], hosts["spare"][0]
-        spare.take_over, h2.take_over = handed.append, running_handed.append
+        spare.spare.take_over, h2.spare.take_over = handed.append, running_handed.append
         woken: list[str] = []
         h2.on_lost = lambda: woken.append("h2")  # its agent's monitor loop looks at once
         for holder, step in (("h2", 7), ("h1", 9)):  # what each published of rank 1
