@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
@@ -55,24 +56,19 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
-    """The click callback of a duration option: :func:`parse_duration`."""
-    if value is None:
-        return None
-    try:
-        return parse_duration(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+def _parsed(parse: Callable[[str], Any]) -> Callable[..., Any]:
+    """A click callback: ``parse(value)``, its ValueError a ``BadParameter`` (None stays)."""
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> Any:
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    return callback
 
 
-def _byte_size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
-    """The click callback of ``--state-bytes``: :func:`parse_size` or a ``BadParameter``."""
-    if value is None:
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+_duration, _byte_size = _parsed(parse_duration), _parsed(parse_size)
 
 
 @click.command("plan", short_help="Show the replica placement for N hosts.")
