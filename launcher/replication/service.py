@@ -105,15 +105,31 @@ _BASE64 = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012345
 def secret_bits(secret: bytes) -> int:
     """The bits of random material ``secret`` (a --secret-file's stripped contents) holds
     at most, from its alphabet: 4 a hex digit, 6 a base64 or other printable character,
-    8 a byte otherwise. The transport's handshake makes the client prove first, so a rogue
-    server (a peer's address taken over) can test guesses of the secret offline: only
-    enough material, not the handshake, stops that."""
+    8 a byte otherwise; of a secret that repeats itself (``password1password1``,
+    ``0123456789abcdef0123456789abcdef``), only the part before the repetition counts.
+    The transport's handshake makes the client prove first, so a rogue server (a peer's
+    address taken over) can test guesses of the secret offline: only enough material,
+    not the handshake, stops that."""
     symbols = secret.rstrip(b"=")
+    symbols = symbols[:_period(symbols)]
     if symbols and all(c in _HEX for c in symbols):
         return 4 * len(symbols)
     if all(c in _BASE64 or 0x20 <= c < 0x7F for c in symbols):
         return 6 * len(symbols)
     return 8 * len(symbols)
+
+
+def _period(symbols: bytes) -> int:
+    """The smallest p such that every symbol equals the one p before it (the length of
+    ``symbols`` for one that never repeats itself): its length less its longest border,
+    from the Knuth-Morris-Pratt prefix function."""
+    border = [0] * len(symbols)
+    for i in range(1, len(symbols)):
+        k = border[i - 1]
+        while k and symbols[i] != symbols[k]:
+            k = border[k - 1]
+        border[i] = k + (symbols[i] == symbols[k])
+    return len(symbols) - (border[-1] if symbols else 0)
 
 
 def read_secret_file(secret_file: str) -> bytes:

@@ -240,6 +240,8 @@ WEAK = {
     "hex-64-bits": b"0123456789abcdef",
     "base64-96-bits": b"QUJDREVGR0hJSktM",
     "raw-12-bytes": bytes(range(0x80, 0x8C)),
+    "repeated-word": b"password1password1password1password1",
+    "repeated-hex": b"0123456789abcdef0123456789abcdef",
 }
 
 
