@@ -255,7 +255,7 @@ def _check(path: Path, fd: int, manifest: Manifest, *, run_id: str | None = None
     header, digest = _header_of(fd)
     if digest != manifest.header_xxh3:
         raise CheckpointError(f"{path.name}: header checksum mismatch")
-    if header is None or header.state is not memory.SlotState.COMMITTED:
+    if not memory.committed(header):
         raise CheckpointError(f"{path.name}: not a committed gemini slot")
     want = {"step": (header.step, manifest.step), "rank": (header.rank, manifest.rank),
             "seq": (header.seq, manifest.seq), "world_size": (header.world_size,

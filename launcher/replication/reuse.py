@@ -125,7 +125,7 @@ class HeldBytes:
                         header = memory.read_header(segment.view)
                     except ValueError:  # unmapped meanwhile (a regrow)
                         continue
-                    if header is None or header.state is not memory.SlotState.COMMITTED:
+                    if not memory.committed(header):
                         continue
                     steps.append(header.step)
                     for key, start in self._of(segment, header).items():

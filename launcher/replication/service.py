@@ -488,8 +488,7 @@ class ReplicationService:
         saved; tracking the iteration time on the way."""
         steps = []
         for rank, segments in own.items():
-            headers = [h for seg in segments if (h := memory.read_header(seg.view)) is not None
-                       and h.state is memory.SlotState.COMMITTED]
+            headers = [h for seg in segments if memory.committed(h := memory.read_header(seg.view))]
             step = max((h.step for h in headers), default=-1)
             seen = self.owner.seen(rank)
             if step <= seen <= step + progress.MAX_EVERY:  # the worker's word, within reason
@@ -562,8 +561,7 @@ class ReplicationService:
     @staticmethod
     def _lost_target(segments: list[memory.Segment], target: int) -> bool:
         """Whether the worker has committed past ``target`` without it in its slots."""
-        headers = [h for seg in segments if (h := memory.read_header(seg.view)) is not None
-                   and h.state is memory.SlotState.COMMITTED]
+        headers = [h for seg in segments if memory.committed(h := memory.read_header(seg.view))]
         return len(headers) == len(segments) == 2 and all(h.step > target for h in headers) \
             and not any(h.step == target for h in headers)
 
@@ -667,7 +665,7 @@ class ReplicationService:
         best: tuple[memory.Segment, memory.SlotHeader] | None = None
         for segment in segments:
             header = memory.read_header(segment.view)
-            if header is None or header.state is not memory.SlotState.COMMITTED:
+            if not memory.committed(header):
                 continue
             if header.step >= target and (best is None or header.step < best[1].step):
                 best = (segment, header)

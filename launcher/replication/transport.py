@@ -404,7 +404,7 @@ class _SourceFile:
         """The committed header and metadata, or None if the slot holds no committed step
         (or is being rewritten)."""
         header = memory.read_header(self.head)
-        if header is None or header.state is not memory.SlotState.COMMITTED:
+        if not memory.committed(header):
             return None
         end = header.meta_offset + header.meta_len
         if (header.meta_offset < memory.HEADER_SIZE + header.data_len or end > self.size
@@ -438,7 +438,7 @@ def _committed(segment: memory.Segment) -> memory.SlotHeader | None:
         header = memory.read_header(segment.view)
     except (ValueError, StorageError):  # unmapped meanwhile (a regrow), or torn
         return None
-    return header if header is not None and header.state is memory.SlotState.COMMITTED else None
+    return header if memory.committed(header) else None
 
 
 class Server:
@@ -760,9 +760,8 @@ class Server:
             held = memory.read_header(segment.view)
         except StorageError:
             return False
-        return (held is not None and held.state is memory.SlotState.COMMITTED
-                and held.seq == header.seq and held.meta_hash == header.meta_hash
-                and held.data_len == header.data_len)
+        return (memory.committed(held) and held.seq == header.seq
+                and held.meta_hash == header.meta_hash and held.data_len == header.data_len)
 
     # Complexity above 10: one check per reason to refuse a push.
     def _put(self, channel: _Channel, request: PutRequest, peer: str) -> None:  # noqa: C901
