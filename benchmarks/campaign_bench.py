@@ -290,9 +290,9 @@ def campaign(job: Job, faults: list[tuple[float, str]], seconds: float, seed: in
         postponed += not job.stepped_since(last)
         if not wait_for_a_step():
             break
+        injected.append((time.time(), kind))
         after = job.fault(kind, rng)
         last = time.time()
-        injected.append((last, kind))
         if after is not None and wait_for_a_step():
             after()
             last = time.time()
