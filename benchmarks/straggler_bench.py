@@ -34,10 +34,12 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE.parent / "examples"))
 from common import machine, table  # noqa: E402
 from etcd_server import EtcdServer  # noqa: E402
-from replication_bench import GEMINI, Host, _events  # noqa: E402
+from replication_bench import GEMINI, Host, _events, _shm_dir  # noqa: E402
 
+# compute-bound own work (no sleep in the step): a duty cycle stopping the worker a
+# fraction f of the time slows its own work by about 1 / (1 - f)
 TRAIN = [str(HERE.parent / "tests" / "scripts" / "train_ckpt.py"), "--grad-sync", "params",
-         "--width", "256", "--depth", "4", "--sleep", "0.03"]
+         "--width", "768", "--depth", "6"]
 FACTORS = {"1.5x": 1 / 3, "2x": 1 / 2, "4x": 3 / 4}
 PERIOD = 0.12
 
@@ -95,27 +97,29 @@ def _hosts(tmp: str, etcd: EtcdServer, *extra: str) -> list[Host]:
             "--rdzv-endpoint", etcd.endpoint, "--rdzv-id", "slow", "--rdzv-conf",
             "last_call_timeout=1", "--store", etcd.url, "--replication-addr", "127.0.0.1",
             *TRAIN, *extra]
-    return [Host(argv, dict(env, GEMINI_HOST_ID=f"h{i}", GEMINI_SHM_DIR=f"{tmp}/shm{i}"))
+    return [Host(argv, dict(env, GEMINI_HOST_ID=f"h{i}", GEMINI_SHM_DIR=_shm_dir(tmp, i)))
             for i in range(3)]
 
 
-def _wait(predicate: object, timeout: float, what: str) -> None:
+def _wait(predicate: object, timeout: float, what: str, hosts: list[Host]) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():  # type: ignore[operator]
         if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
+            raise RuntimeError(f"timed out waiting for {what}:\n" + "\n".join(
+                h.output()[-1500:] for h in hosts))
         time.sleep(0.2)
 
 
 def detection(off: float) -> float:
     """Seconds from the first stop of h1's worker to the root's straggler event."""
-    with tempfile.TemporaryDirectory() as tmp, EtcdServer() as etcd:
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="bench-") as tmp, \
+            EtcdServer() as etcd:
         runs = Path(tmp) / "runs"
         hosts = _hosts(tmp, etcd, "--steps", "100000")
         stop = threading.Event()
         try:
             _wait(lambda: len({e["host"] for e in _events(runs) if e["event"] == "start"}) == 3,
-                  120, "three hosts")
+                  120, "three hosts", hosts)
             time.sleep(25)  # every host's window full of healthy steps
             slots = {int(e["group_rank"]): str(e["host"]) for e in _events(runs)  # type: ignore[call-overload]
                      if e["event"] == "rendezvous"}
@@ -133,10 +137,12 @@ def detection(off: float) -> float:
             slowed = time.time()
             threading.Thread(target=duty, daemon=True).start()
             _wait(lambda: any(e["event"] == "straggler" for e in _events(runs)), 300,
-                  "a straggler event")
+                  "a straggler event", hosts)
             found = next(e for e in _events(runs) if e["event"] == "straggler")
             if found["straggler"] != slots[1]:
                 raise RuntimeError(f"wrong host: {found}")
+            print(f"  stopped {off:.2f} of the time: score {found['score']}, found after "
+                  f"{float(found['ts']) - slowed:.1f} s", file=sys.stderr, flush=True)  # type: ignore[arg-type]
             return float(found["ts"]) - slowed  # type: ignore[arg-type]
         finally:
             stop.set()
@@ -150,7 +156,8 @@ def detection(off: float) -> float:
 
 def healthy(minutes: float) -> int:
     """False reports in a healthy run of ``minutes``."""
-    with tempfile.TemporaryDirectory() as tmp, EtcdServer() as etcd:
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="bench-") as tmp, \
+            EtcdServer() as etcd:
         runs = Path(tmp) / "runs"
         hosts = _hosts(tmp, etcd, "--persist-dir", f"{tmp}/persist", "--persist-every", "20",
                        "--steps", "100000", "--loader-jitter", "0.06", "--pause-every", "200:5")
