@@ -37,6 +37,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -93,7 +94,8 @@ def worker_kill(nodes: int, etcd: object, tree: Path | None, *, nproc: int = 1,
         try:
             if spare:
                 _wait_for_spare(etcd.url, run_id, time.monotonic() + timeout)  # type: ignore[attr-defined]
-            return _kill_one(nodes, hosts, run_root, timeout, nproc, spare)
+            return _kill_one(nodes, hosts, run_root, timeout, nproc, spare,
+                             getattr(etcd, "proc", None))
         finally:
             for h in hosts.values():
                 h.kill()
@@ -118,8 +120,64 @@ def _standbys_ready(hosts: object, nproc: int) -> bool:
     return all(proc.cpu_percent() < 5 for proc in standbys)
 
 
+class CpuMeter:
+    """The CPU time the simulated hosts' processes (each supervisor and everything under
+    it) and the store's server use between :meth:`start` and :meth:`stop`, read every
+    0.2 s so that a process which exits meanwhile counts up to its last reading: on this
+    machine, every host's work during a recovery shares two cores, and this tells how
+    much of a slower recovery at more hosts is that sharing."""
+
+    def __init__(self, hosts: dict[str, Host], store: object) -> None:
+        import psutil
+
+        self._roots = {name: psutil.Process(h.proc.pid) for name, h in hosts.items()}
+        self._store = psutil.Process(store.pid) if store is not None else None  # type: ignore[attr-defined]
+        self._first: dict[int, float] = {}
+        self._last: dict[int, tuple[str, float]] = {}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> None:
+        import psutil
+
+        found = [("store", self._store)] if self._store is not None else []
+        for name, root in self._roots.items():
+            try:
+                found += [(name, root), *((f"{name} workers", p)
+                                          for p in root.children(recursive=True))]
+            except psutil.Error:
+                continue
+        for name, proc in found:
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            used = times.user + times.system
+            self._first.setdefault(proc.pid, used)
+            self._last[proc.pid] = (name, used)
+
+    def _run(self) -> None:
+        while not self._done.wait(0.2):
+            self._read()
+
+    def start(self) -> None:
+        self._read()
+        self._thread.start()
+
+    def stop(self) -> dict[str, float]:
+        """CPU seconds of each supervisor ("h0"), of everything under it ("h0 workers":
+        workers, standbys) and of the store since :meth:`start`."""
+        self._done.set()
+        self._thread.join()
+        self._read()
+        used: dict[str, float] = {}
+        for pid, (name, last) in self._last.items():
+            used[name] = used.get(name, 0.0) + last - self._first[pid]
+        return used
+
+
 def _kill_one(nodes: int, hosts: dict[str, Host], run_root: Path, timeout: float,
-              nproc: int, whole_host: bool) -> dict[str, float]:
+              nproc: int, whole_host: bool, store: object = None) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     step = re.compile(rf"^step {KILL_AT} ")
 
@@ -139,6 +197,8 @@ def _kill_one(nodes: int, hosts: dict[str, Host], run_root: Path, timeout: float
     start = [e for e in found if e["event"] == "start" and e["host"] == victim][-1]
     pid = int(start["workers"][0]["pid"])  # type: ignore[index]
     rank0 = hosts[slots[0]]
+    meter = CpuMeter(hosts, store)
+    meter.start()
     killed = time.time()
     if whole_host:
         hosts[victim].kill()
@@ -152,8 +212,14 @@ def _kill_one(nodes: int, hosts: dict[str, Host], run_root: Path, timeout: float
     wait("no step after the kill", lambda: resumed() is not None)
     first_step = resumed()
     assert first_step is not None
+    cpu = meter.stop()
     after = [e for e in _events(run_root) if float(e["ts"]) > killed]  # type: ignore[arg-type]
-    return _summary(after, killed, first_step, victim)
+    summary = _summary(after, killed, first_step, victim)
+    on_hosts = [cpu.get(name, 0.0) + cpu.get(f"{name} workers", 0.0) for name in hosts]
+    summary["cpu per host"] = statistics.median(on_hosts)
+    summary["cpu per supervisor"] = statistics.median(cpu.get(name, 0.0) for name in hosts)
+    summary["cpu in all"] = sum(cpu.values())
+    return summary
 
 
 def _summary(after: list[dict[str, object]], killed: float, first_step: float, victim: str
@@ -213,19 +279,24 @@ def scaling(args: argparse.Namespace) -> list[str]:
                              f"{sum(r['spares_waiting'] for r in results):g}",
                              f"{sum(r['peers failed'] for r in results):g}",
                              f"{sum(r['one round'] for r in results):g}/{len(results)}",
+                             f"{_median(results, 'cpu per host'):.2f} s",
+                             f"{statistics.median(r['cpu in all'] / r['total'] for r in results):.1f}",
                              f"{total / ours:.2f}x"])
             if spare:
                 rows.append([str(nodes), "host kill, hot spare (gemini)",
                              f"{_median(spare, 'total'):.2f} s",
                              f"{_median(spare, 'every host knows'):.2f} s",
                              f"{_median(spare, 'round formed'):.2f} s",
-                             f"{_median(spare, 'workers started'):.2f} s", *["-"] * 4])
+                             f"{_median(spare, 'workers started'):.2f} s", *["-"] * 3,
+                             f"{_median(spare, 'cpu per host'):.2f} s",
+                             f"{statistics.median(r['cpu in all'] / r['total'] for r in spare):.1f}",
+                             "-"])
     return [f"1. worker SIGKILL -> every rank's next step (1 worker per host, the example's "
             f"default model, {SLEEP} s sleep per step, etcd-v3 rendezvous)", "",
             table(["hosts", "launcher", "kill -> next step", "every host knows",
                    "every host in the new round", "every host's workers started",
                    "spares_waiting events", "peers' workers failed", "one round",
-                   "vs gemini"], rows), ""]
+                   "CPU per host", "cores busy", "vs gemini"], rows), ""]
 
 
 def large(args: argparse.Namespace) -> list[str]:

@@ -48,10 +48,18 @@ def make_corpus(seed: int, n_sentences: int = 4000) -> str:
 
 
 def encode(text: str) -> tuple[torch.Tensor, int]:
-    """Map characters to ids; returns the id tensor and the vocabulary size."""
-    vocab = sorted(set(text))
-    index = {char: i for i, char in enumerate(vocab)}
-    return torch.tensor([index[c] for c in text], dtype=torch.long), len(vocab)
+    """Map characters to ids (their rank in the sorted vocabulary); returns the id tensor
+    and the vocabulary size. ASCII text is mapped as bytes, in a few tensor operations:
+    a restarted worker encodes the corpus again before its first step."""
+    raw = text.encode()
+    if len(raw) != len(text):  # not ASCII: character by character
+        vocab = sorted(set(text))
+        index = {char: i for i, char in enumerate(vocab)}
+        return torch.tensor([index[c] for c in text], dtype=torch.long), len(vocab)
+    codes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+    present = torch.zeros(128, dtype=torch.long)
+    present[codes] = 1
+    return (torch.cumsum(present, 0) - 1)[codes], int(present.sum())
 
 
 def get_batch(

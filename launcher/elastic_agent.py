@@ -20,6 +20,7 @@ a run starts, so that commands other than ``gemini run`` stay fast.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import socket
@@ -36,10 +37,17 @@ from torch.distributed.elastic.agent.server import api as agent_api
 from torch.distributed.elastic.agent.server.api import (
     _TERMINAL_STATE_SYNC_ID as _EXIT_BARRIER,
 )
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousTimeoutError
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.utils import store as store_util
 from torch.distributed.elastic.utils.store import _NUM_MEMBERS
 
@@ -133,6 +141,32 @@ def _round_running(handler: Any) -> bool:
     with handler._heartbeat_lock:
         holder.sync()
         return bool(holder.state.complete and holder.state.participants)
+
+
+@functools.cache
+def _fqdn() -> str:
+    """This host's name as torch's rendezvous names a node without ``--local-addr``."""
+    return socket.getfqdn()
+
+
+def _member_record(value: bytes) -> dict[str, Any]:
+    """A member's post of :meth:`GeminiAgent._exchange`, checked."""
+    try:
+        record = json.loads(value)
+        valid = (isinstance(record, dict) and isinstance(record.get("host"), str)
+                 and (record.get("slot") is None or type(record["slot"]) is int)
+                 and isinstance(record.get("role"), str)
+                 and type(record.get("workers")) is int and record["workers"] > 0)
+        store = record.get("store") if valid else None
+        if store is not None and not (isinstance(store, list) and len(store) == 2
+                                      and isinstance(store[0], str) and type(store[1]) is int):
+            valid = False
+    except ValueError:
+        valid = False
+    if not valid:
+        raise RuntimeError(f"a member of the rendezvous round posted a set-up record that is "
+                           f"not gemini's: {bytes(value)[:200]!r}")
+    return cast(dict[str, Any], record)
 
 
 def _failure_record(rank: int, failure: Any) -> dict[str, Any]:
@@ -390,11 +424,16 @@ class GeminiAgent(LocalElasticAgent):
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         """torch elastic's rendezvous, with stable node slots as group ranks."""
         spec = worker_group.spec
-        if getattr(spec.rdzv_handler, "_bootstrap_store_info", None) is not None:
-            # torch's dynamic handler publishes the bootstrap address only in its own
-            # first round: a host joining a later round (a replacement) would wait for
-            # it forever unless this round's rank 0 publishes it again.
-            setattr(spec.rdzv_handler, "_bootstrap_store_info", None)  # noqa: B010
+        handler = spec.rdzv_handler
+        static = handler.get_backend() == "static"
+        shared = handler.use_agent_store
+        own_addr = spec.local_addr or _fqdn()
+        if shared and hasattr(handler, "_bootstrap_store_info"):
+            # torch's dynamic handler has every member wait in each round for its rank 0
+            # to post the address of a store that gemini's workers do not use (they use
+            # the store of :meth:`_exchange`); with this in place, none waits for it.
+            setattr(handler, "_bootstrap_store_info",  # noqa: B010
+                    RendezvousStoreInfo(master_addr=own_addr, master_port=0))
         with self.record_duration("RENDEZVOUS"):
             rdzv_info = self._next_rendezvous(worker_group)
         store, world_size = rdzv_info.store, rdzv_info.world_size
@@ -402,31 +441,35 @@ class GeminiAgent(LocalElasticAgent):
         if self._fenced:  # admitted again: a member like any other, with empty memory
             self._forget()
             self._fenced = False
-        self._joined_round = _rendezvous_round(spec.rdzv_handler)
+        self._joined_round = _rendezvous_round(handler)
         # Dynamic backends hand out a store scoped to the round; the static backend's
         # store lives for the whole run, where only restarts start a new round (and
         # node ranks are fixed by --node-rank).
-        static = spec.rdzv_handler.get_backend() == "static"
         scope = f"gemini/{self._restart_count(worker_group)}/" if static else "gemini/"
         self._round_store = PrefixStore(scope, store)
-        group_rank = rdzv_info.rank if static else self._stable_slot(
-            self._round_store, rdzv_info.rank, world_size)
         bootstrap = rdzv_info.bootstrap_store_info
         assert bootstrap is not None  # every torch backend sets it
         self._store = store
+        master: tuple[str, int] = (spec.master_addr or bootstrap.master_addr,
+                                   spec.master_port or bootstrap.master_port)
         with self.record_duration("ASSIGN_WORKER_RANKS"):
-            workers = self._assign_worker_ranks(store, group_rank, world_size, spec)
+            if static:
+                group_rank = rdzv_info.rank
+                workers = self._assign_worker_ranks(store, group_rank, world_size, spec)
+                if shared:  # group rank 0 is the master node, known by --master-addr
+                    master = self._publish_worker_store(group_rank, self._round_store,
+                                                        bootstrap.master_addr)
+            else:
+                group_rank, workers, hosted = self._exchange(
+                    self._round_store, rdzv_info.rank, world_size, spec,
+                    own_addr if shared and rdzv_info.rank == 0 else None)
+                master = hosted or master
         # WorkerGroup types these attributes as None; torch's _rendezvous sets them too.
         worker_group.workers = workers
         worker_group.store = store
-        worker_group.group_rank = group_rank  # type: ignore[assignment]
+        worker_group.group_rank = group_rank
         worker_group.group_world_size = world_size
-        worker_group.master_addr = spec.master_addr or bootstrap.master_addr  # type: ignore[assignment]
-        worker_group.master_port = spec.master_port or bootstrap.master_port  # type: ignore[assignment]
-        if spec.rdzv_handler.use_agent_store:
-            own_addr = (bootstrap.master_addr if rdzv_info.rank == 0 or static
-                        else spec.local_addr or socket.getfqdn())
-            self._publish_worker_store(worker_group, self._round_store, own_addr)
+        worker_group.master_addr, worker_group.master_port = master  # type: ignore[assignment]
         self._events.write(
             "rendezvous",
             round=self._round,
@@ -438,39 +481,61 @@ class GeminiAgent(LocalElasticAgent):
             ranks=[w.global_rank for w in workers],
         )
 
-    def _stable_slot(self, store: Store, member: int, world_size: int) -> int:
-        """Exchange (host, previous slot) with the round's other members; see
-        ``launcher.rendezvous.assign_slots``."""
-        from launcher.rendezvous import assign_slots
+    def _exchange(self, store: Store, member: int, world_size: int, spec: WorkerSpec,
+                  host_store: str | None) -> tuple[int, list[Worker], tuple[str, int] | None]:
+        """A round's whole set-up in one write and one wait per member: each posts its
+        host id, previous node slot, role and number of workers (and the member that
+        hosts the workers' store, torch's rank 0 when ``host_store`` is its address, that
+        store's address), then reads everyone's. From them every member computes the same
+        node slots (``launcher.rendezvous.assign_slots``), worker ranks (as torch's
+        ``_assign_worker_ranks`` would, in slot order) and store. torch's own set-up waits
+        three times in a row for one member's keys.
 
-        store.set(f"slot/{member}", json.dumps([self._host_id, self._slot]))
-        members = {}
-        for other in range(world_size):
-            host, previous = json.loads(store.get(f"slot/{other}"))
-            members[other] = (str(host), previous)
-        self._slot = assign_slots(members, world_size)[member]
-        self._members = frozenset(host for host, _ in members.values())
+        Returns this host's node slot, its workers, and the workers' store address (None
+        where the workers do not use the agents' store)."""
+        from launcher.rendezvous import assign_slots, worker_ranks
+
+        self._worker_store = None  # the previous round's server shuts down
+        record: dict[str, Any] = {"host": self._host_id, "slot": self._slot,
+                                  "role": spec.role, "workers": spec.local_world_size}
+        if host_store is not None:
+            self._worker_store = TCPStore(host_name=host_store, port=0, is_master=True,
+                                          wait_for_workers=False)
+            record["store"] = [host_store, self._worker_store.port]
+        store.set(f"member/{member}", json.dumps(record))
+        keys = [f"member/{other}" for other in range(world_size)]
+        records = [_member_record(value) for value in store.multi_get(keys)]
+        slots = assign_slots({m: (r["host"], r["slot"]) for m, r in enumerate(records)},
+                             world_size)
+        self._slot = slots[member]
+        self._members = frozenset(r["host"] for r in records)
         # A member still counted lost here joined this round, so it is alive: a host
         # that froze, was declared lost and thawed, before its new lease is seen.
         self._acted_on = self._lost_hosts() & self._members
-        return self._slot
+        by_slot = [records[m] for m in sorted(slots, key=slots.__getitem__)]
+        base, size, role_base, role_size = worker_ranks(
+            [(r["role"], r["workers"]) for r in by_slot], self._slot)
+        workers = [Worker(local_rank=local, global_rank=base + local,
+                          role_rank=role_base + local, world_size=size,
+                          role_world_size=role_size)
+                   for local in range(spec.local_world_size)]
+        hosted = next((r["store"] for r in records if r.get("store")), None)
+        return self._slot, workers, (hosted[0], hosted[1]) if hosted else None
 
-    def _publish_worker_store(self, worker_group: WorkerGroup, store: Store,
-                              own_addr: str) -> None:
-        """Group rank 0 hosts a new TCPStore for this round's workers; all agents point
-        MASTER_ADDR/MASTER_PORT at it. Keys of earlier rounds cannot leak into it."""
+    def _publish_worker_store(self, group_rank: int, store: Store,
+                              own_addr: str) -> tuple[str, int]:
+        """With the static backend, group rank 0 hosts a new TCPStore for this round's
+        workers and posts its address; returns it. Keys of earlier rounds cannot leak
+        into it."""
         self._worker_store = None  # the previous round's server shuts down
-        if worker_group.group_rank == 0:
-            host = str(own_addr)
-            self._worker_store = TCPStore(host_name=host, port=0, is_master=True,
+        if group_rank == 0:
+            self._worker_store = TCPStore(host_name=own_addr, port=0, is_master=True,
                                           wait_for_workers=False)
-            address: list[Any] = [host, self._worker_store.port]
+            address: list[Any] = [own_addr, self._worker_store.port]
             store.set("worker_store", json.dumps(address))
         else:
             address = json.loads(store.get("worker_store"))
-        # WorkerGroup declares these None; torch's own _rendezvous assigns them too.
-        worker_group.master_addr = str(address[0])  # type: ignore[assignment]
-        worker_group.master_port = int(address[1])  # type: ignore[assignment]
+        return str(address[0]), int(address[1])
 
     def _restart_count(self, worker_group: WorkerGroup) -> int:
         return int(worker_group.spec.max_restarts - self._remaining_restarts)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch._C._distributed_c10d import Store as _TorchStoreBase
@@ -122,8 +123,10 @@ class TorchStore(_TorchStoreBase):
         self._call(self._store.put, self._key(key), data)
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
         value = self._call(self._store.get, self._key(key))
+        if value is None:
+            self.wait([key])
+            value = self._call(self._store.get, self._key(key))
         if value is None:
             raise LookupError(f"key {key!r} disappeared")
         return bytes(value)
@@ -137,7 +140,23 @@ class TorchStore(_TorchStoreBase):
                 return value
 
     def check(self, keys: list[str]) -> bool:
-        return all(self._call(self._store.get, self._key(k)) is not None for k in keys)
+        return len(self._many(keys)) == len(set(keys))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.wait(keys)
+        found = self._many(keys)
+        if len(found) < len(set(keys)):
+            raise LookupError(f"keys {sorted(set(keys) - found.keys())} disappeared")
+        return [found[k] for k in keys]
+
+    def _many(self, keys: list[str]) -> dict[str, bytes]:
+        """Those of ``keys`` that exist, read in one request (a range read under their
+        common prefix) where there are several."""
+        if len(set(keys)) == 1:
+            value = self._call(self._store.get, self._key(keys[0]))
+            return {} if value is None else {keys[0]: bytes(value)}
+        found = self._call(self._store.get_prefix, self._key(os.path.commonprefix(keys)))
+        return {k: bytes(found[self._key(k)]) for k in keys if self._key(k) in found}
 
     def wait(self, keys: list[str], override_timeout: datetime.timedelta | None = None) -> None:
         # ``self.timeout`` is the C++ base class's, which mypy cannot see.
@@ -542,11 +561,14 @@ _SINGLE_NODE = [False]
 def _wake_on_change(delay: Any) -> Any:
     """torch's ``_delay``: a fixed delay is the poll interval of a node waiting for the
     rendezvous state to change, and ends early when it does (etcd-v3); a random one
-    spreads the nodes' first attempts, which a single-node job does without."""
+    (0-0.3 s) spreads the nodes' first attempts to join, which a single-node job does
+    without. torch sleeps it whenever the last round this node saw is round 0, so also at
+    the first restart after the job's first round: not here, where every member rejoins
+    at once and the round cannot form before the last one did."""
 
     def wait_for_change(seconds: float | tuple[float, float]) -> None:
         if isinstance(seconds, tuple):
-            if not _SINGLE_NODE[0]:
+            if not _SINGLE_NODE[0] and not any(r.round >= 0 for r in _LAST_ROUNDS.values()):
                 delay(seconds)
             return
         _CHANGED.wait(seconds)
@@ -591,3 +613,14 @@ def assign_slots(members: dict[int, tuple[str, int | None]], world_size: int) ->
         if member not in slots:
             slots[member] = next(free)
     return slots
+
+
+def worker_ranks(nodes: Sequence[tuple[str, int]], slot: int) -> tuple[int, int, int, int]:
+    """The ranks of the workers of node slot ``slot``, as torch elastic's agents assign
+    them (``SimpleElasticAgent._assign_worker_ranks``) from every node's (role, number of
+    workers) in slot order: ``(base global rank, global world size, base role rank, role
+    world size)``; its workers take the ranks from each base up. A pure function: every
+    supervisor computes the same answer from the same round."""
+    role = nodes[slot][0]
+    return (sum(n for _, n in nodes[:slot]), sum(n for _, n in nodes),
+            sum(n for r, n in nodes[:slot] if r == role), sum(n for r, n in nodes if r == role))

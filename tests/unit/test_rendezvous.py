@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-from launcher.rendezvous import _caller_name, assign_slots
+from launcher.rendezvous import _caller_name, assign_slots, worker_ranks
 
 
 def test_stable_slots() -> None:
@@ -20,6 +20,38 @@ def test_stable_slots() -> None:
     assert assign_slots({0: ("h2", 2), 1: ("h1", 1)}, 2) == {0: 0, 1: 1}
     # two claims of one slot: the first host id keeps it
     assert assign_slots({0: ("x", 0), 1: ("a", 0)}, 2) == {0: 1, 1: 0}
+
+
+@pytest.mark.parametrize("nodes", [
+    [("trainer", 2), ("trainer", 2)],
+    [("trainer", 2), ("trainer", 3), ("eval", 1), ("trainer", 2)],
+    [("a", 1)],
+])
+def test_worker_ranks_are_torchs(nodes: list[tuple[str, int]]) -> None:
+    """Each supervisor computes its workers' ranks from the round's posts as torch's
+    agents assign them through the store (its rank 0 reading everyone's role and count)."""
+    import threading
+
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerSpec
+
+    store, found = HashStore(), {}
+
+    def assign(slot: int) -> None:
+        role, count = nodes[slot]
+        spec = WorkerSpec(role=role, local_world_size=count, entrypoint="x", rdzv_handler=None)
+        workers = SimpleElasticAgent._assign_worker_ranks(object(), store, slot, len(nodes), spec)
+        found[slot] = [(w.global_rank, w.world_size, w.role_rank, w.role_world_size)
+                       for w in workers]
+
+    threads = [threading.Thread(target=assign, args=(slot,)) for slot in range(len(nodes))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    for slot, (_, count) in enumerate(nodes):
+        base, size, role_base, role_size = worker_ranks(nodes, slot)
+        assert found[slot] == [(base + i, size, role_base + i, role_size) for i in range(count)]
 
 
 def test_fast_event_names_match_torchs() -> None:
@@ -38,21 +70,28 @@ def test_fast_event_names_match_torchs() -> None:
 
 def test_polls_end_when_the_state_changes_and_single_nodes_skip_the_start_skew() -> None:
     """A node polling for the next round wakes as soon as the rendezvous state changes
-    (else after the poll interval); only a multi-node job spreads the first attempts."""
+    (else after the poll interval); only a multi-node job spreads the first attempts, and
+    only before this node saw a round form."""
     import threading
 
     from launcher import rendezvous
 
     slept: list[object] = []
     delay = rendezvous._wake_on_change(slept.append)
-    single = rendezvous._SINGLE_NODE[0]
+    single, rounds = rendezvous._SINGLE_NODE[0], dict(rendezvous._LAST_ROUNDS)
     try:
+        rendezvous._LAST_ROUNDS.clear()
         rendezvous._SINGLE_NODE[:] = [True]
         delay((0, 0.3))
         rendezvous._SINGLE_NODE[:] = [False]
-        delay((0, 0.3))
+        delay((0, 0.3))  # a multi-node job's first join: spread
+        assert slept == [(0, 0.3)]
+        rendezvous._LAST_ROUNDS["run"] = rendezvous._LastRound(0, frozenset({"a", "b"}))
+        delay((0, 0.3))  # a rejoin after round 0 (torch would spread it too): at once
     finally:
         rendezvous._SINGLE_NODE[:] = [single]
+        rendezvous._LAST_ROUNDS.clear()
+        rendezvous._LAST_ROUNDS.update(rounds)
     assert slept == [(0, 0.3)]
     rendezvous._CHANGED.clear()  # a backend of another test may have set it
     started = time.monotonic()
