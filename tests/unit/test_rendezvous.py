@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -254,3 +255,17 @@ def test_a_name_of_this_hosts_own_address_is_bound_to_it(monkeypatch: pytest.Mon
     assert listen_address("head") == own[0]
     assert listen_address("elsewhere") is None
     assert listen_address("two") is None
+
+
+def test_a_set_up_record_that_is_not_geminis_is_refused_with_what_it_holds() -> None:
+    from launcher.elastic_agent import _member_record
+
+    good = {"host": "h0", "slot": None, "role": "default", "workers": 2,
+            "store": ["10.0.0.1", 29500]}
+    assert _member_record(json.dumps(good).encode()) == good
+    for bad in [b"junk", b"[]", json.dumps({**good, "workers": 0}).encode(),
+                json.dumps({**good, "slot": "1"}).encode(),
+                json.dumps({**good, "store": ["x"]}).encode(),
+                json.dumps({k: v for k, v in good.items() if k != "host"}).encode()]:
+        with pytest.raises(RuntimeError, match="not gemini's"):
+            _member_record(bad)
