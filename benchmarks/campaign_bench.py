@@ -1,4 +1,5 @@
-"""Fault campaign: goodput (ETTR) under random faults, gemini beside torchrun + torch.save.
+"""Fault campaign: goodput (ETTR) under random faults, gemini beside torchrun + torch.save
+and its peers.
 
 Two simulated hosts on this machine train the example GPT (about 250 MiB of model and
 AdamW state per host, one worker each, a batch of 16 tokens, then 0.5 s of stand-in GPU
@@ -25,6 +26,43 @@ completed a step since the previous one (a fault in the middle of a recovery is
 postponed). torchrun writes its checkpoint with torch.save every N steps, N at Young's
 optimum sqrt(2 C M) for the write time C measured first and the job's MTBF M.
 
+Two peers run beside them when their virtual environments exist (``--dlrover-env``,
+``--lmres-env``; by default ``peers/dlrover`` and ``peers/lmres`` next to this checkout; a
+missing one is skipped with a line saying so), each with what it recovers from itself and,
+for the rest, what its users would do:
+
+* DLRover 0.6.1 (``dlrover-run``, ``benchmarks/dlrover_gpt.py``): its job master (started by
+  hand: ``dlrover-run --standalone`` fails on torch 2.13) and one agent per host. Flash
+  Checkpoint copies the state into the agent's shared memory after every step
+  (``StorageType.MEMORY``) and every N-th step also to disk (``StorageType.DISK``, persisted
+  by the agent in the background), N as torchrun's. A killed worker is restarted by its
+  agent and loads from shared memory; a lost host is replaced at once by a new agent with
+  the lost node rank, as DLRover's master has the pod relaunched on Kubernetes (the
+  survivors' agents restart their workers, which load the newest step on disk: the new
+  host's memory is empty); a frozen host stops the job until the watchdog, then is
+  replaced the same way. Each host's shared memory and sockets are named by a job name
+  of its own, so that two hosts on this machine do not share them; a lost host's shared
+  memory is removed with it. Its rendezvous state lives in its job master, part of the
+  job, not in an outside store: a store restart does not concern it.
+* lm-resiliency 0.2.0 (the GEMINI paper authors' implementation,
+  ``benchmarks/lmres_gpt.py``): ``enable_resiliency`` captures the state into CPU memory
+  after every step, replicates it to the peer rank over Gloo, writes its node-local disk
+  tier every N steps (N as torchrun's) and from its SIGTERM handler and at exit the newest
+  own and peer copies. Both hosts' disk tier is one folder, as in the authors' own fault
+  campaign (a folder every host sees), so that a restarted rank finds the copy its peer
+  wrote. Its torchrun rendezvous backend with standby hosts is not used: torch 2.13's
+  torchrun cannot load 0.2.0's (torchrun calls the ``torchrun.handlers`` entry point with
+  no argument for a handler factory; 0.2.0's names the factory itself, which wants the
+  parameters), and it restarts nothing on its own: every restart waits for an outside
+  manager to publish a plan (``TorchrunRecoveryCoordinator``), which the package does not
+  include. So the job runs on torchrun's c10d rendezvous, like the baseline: a killed
+  worker is restarted by torchrun and both ranks load the newest step they all hold (the
+  survivor flushed its own and its peer's copy as it exited); a lost host restarts the job
+  whole, the survivors given a 30 s SIGTERM grace to flush as a scheduler gives it; a
+  frozen host stops the job until the watchdog, then the same (a survivor blocked in a
+  collective cannot flush: the newest step already on disk is loaded); a store restart
+  does not concern it.
+
 Measured, per system: ETTR from the workload's own step log (the example's "step N"
 lines as they arrive: every step counted once, at its median step time, over the
 campaign's wall time from the launch), the faults, and the mean time lost per fault
@@ -33,7 +71,8 @@ at the end) and the planner's prediction (``gemini plan --job-mtbf``, with the m
 step time and the campaign's mix: host share = host + freeze faults among those that
 stop training).
 
-    python benchmarks/campaign_bench.py --minutes 15 --mtbf 60,300
+    python benchmarks/campaign_bench.py --minutes 15 --mtbf 60,300 \
+        [--systems gemini,torchrun,dlrover,lmres]
 """
 
 from __future__ import annotations
@@ -43,7 +82,9 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -58,6 +99,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from common import machine, table  # noqa: E402
 from etcd_server import EtcdServer  # noqa: E402
+from helpers import kill_tree  # noqa: E402
 from replication_bench import (  # noqa: E402
     EXAMPLE,
     GEMINI,
@@ -71,6 +113,11 @@ from replication_bench import (  # noqa: E402
 )
 
 FAULTS = (("worker", 0.4), ("host", 0.4), ("freeze", 0.1), ("store", 0.1))
+SYSTEMS = ("gemini", "torchrun", "dlrover", "lmres")
+PEERS = HERE.parent.parent / "peers"  # the peers' virtual environments, beside the checkout
+DLROVER_GPT = str(HERE / "dlrover_gpt.py")
+LMRES_GPT = str(HERE / "lmres_gpt.py")
+GRACE = 30.0  # seconds between a scheduler's SIGTERM and its SIGKILL (SLURM's and k8s's default)
 STEP = re.compile(r"^step (\d+) ")
 HOST_BYTES = 250 << 20  # LOSS_MODEL's model and AdamW state, for the planner
 
@@ -241,6 +288,155 @@ class Torchrun(Job):
         return kind != "store"
 
 
+class DLRover(Job):
+    name = "DLRover Flash Checkpoint"
+
+    def __init__(self, *args: Any, env_dir: Path, every: int, hang_after: float) -> None:
+        super().__init__(*args)
+        self.env_dir, self.every, self.hang_after = env_dir, every, hang_after
+        self.checkpoint = f"memory every step, disk every {every}"
+        self.ranks: dict[str, int] = {}  # host -> its node rank
+        self.master: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.port, self.job = _free_port(), f"campaign-dlrover-{os.getpid()}-{time.monotonic_ns()}"
+        self.master = subprocess.Popen(
+            [str(self.env_dir / "bin" / "python"), "-m", "dlrover.python.master.main", "--port",
+             str(self.port), "--node_num", "2", "--job_name", self.job, "--platform", "local"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=self.env,
+            start_new_session=True)
+        _wait_for_port(self.port, timeout=60)
+        for rank in range(2):
+            self._host(rank)
+
+    def _host(self, rank: int) -> None:
+        """A host (a dlrover-run agent) as node ``rank``."""
+        name = f"d{self.count}"
+        argv = [str(self.env_dir / "bin" / "dlrover-run"), "--nnodes", "2", "--nproc_per_node",
+                "1", "--max-restarts", "1000", "--monitor-interval", "0.1", DLROVER_GPT,
+                *self.train[1:], "--ckpt-dir", f"{self.tmp}/dlrover", "--disk-every",
+                str(self.every)]
+        self.hosts[name] = Host(argv, dict(
+            self.env, DLROVER_MASTER_ADDR=f"127.0.0.1:{self.port}",
+            ELASTIC_JOB_NAME=f"{self.job}-{name}", NODE_RANK=str(rank), NODE_ID=str(self.count),
+            NODE_NUM="2"))
+        self.ranks[name] = rank
+        self.count += 1
+
+    def replace(self, name: str) -> None:
+        """The host lost and, at once, a new one in its place (DLRover's pod relaunch)."""
+        rank = self.ranks[name]
+        self.drop(name)
+        self._host(rank)
+
+    def drop(self, name: str) -> None:
+        super().drop(name)
+        # The host's memory and sockets go with it (named by its own job name).
+        for segment in Path("/dev/shm").glob(f"{self.job}-{name}_ckpt_shm_*"):
+            segment.unlink(missing_ok=True)
+        shutil.rmtree(Path("/tmp/ckpt_sock") / f"{self.job}-{name}", ignore_errors=True)
+
+    def fault(self, kind: str, rng: random.Random) -> Callable[[], None] | None:
+        victim = rng.choice(sorted(self.hosts))
+        if kind == "worker":  # the agent's checkpoint saver, forked from it, lives on
+            for proc in _children(self.hosts[victim].proc.pid):
+                argv = " ".join(proc.cmdline())
+                if "dlrover_gpt.py" in argv and "dlrover-run" not in argv:
+                    proc.kill()
+        elif kind == "host":
+            self.replace(victim)
+        elif kind == "freeze":
+            _signal_tree(self.hosts[victim].proc.pid, signal.SIGSTOP)
+            time.sleep(self.hang_after)  # until the watchdog replaces it
+            self.replace(victim)
+        return None
+
+    def applies(self, kind: str) -> bool:
+        return kind != "store"
+
+    def close(self) -> None:
+        super().close()
+        if self.master is not None:
+            kill_tree(self.master.pid)
+            self.master.wait()
+        try:
+            Path("/tmp/ckpt_sock").rmdir()  # only if no one else's sockets are left in it
+        except OSError:
+            pass
+
+
+class Lmres(Job):
+    name = "lm-resiliency (GEMINI)"
+
+    def __init__(self, *args: Any, env_dir: Path, every: int, hang_after: float) -> None:
+        super().__init__(*args)
+        self.env_dir, self.every, self.hang_after = env_dir, every, hang_after
+        self.checkpoint = f"memory every step, disk every {every}"
+        # GEMINI's run identity, the same for every restart of the job: a new job loads
+        # only the files of a run with its identity.
+        self.run_id = f"campaign-lmres-{os.getpid()}-{time.monotonic_ns()}"
+
+    def start(self) -> None:
+        self.port, rdzv_id = _free_port(), f"campaign-{time.monotonic_ns()}"
+        for i in range(2):  # host 0 serves the c10d store: start it first
+            argv = [str(self.env_dir / "bin" / "python"), "-m", "torch.distributed.run",
+                    "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", rdzv_id,
+                    "--rdzv-conf", f"last_call_timeout=1,is_host={int(i == 0)}",
+                    "--max-restarts", "1000", "--monitor-interval", "0.1", LMRES_GPT,
+                    *self.train[1:], "--ckpt-dir", f"{self.tmp}/lmres", "--run-id",
+                    self.run_id, "--flush-every", str(self.every)]
+            self.hosts[f"l{self.count}"] = Host(argv, dict(
+                self.env, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+            self.count += 1
+            time.sleep(0.5)
+
+    def restart(self) -> None:
+        """The scheduler restarts the job whole: SIGTERM to every process of it, SIGKILL
+        to what is left after the grace, then a new job."""
+        for host in self.hosts.values():
+            _signal_tree(host.proc.pid, signal.SIGTERM)
+        deadline = time.time() + GRACE
+        for host in self.hosts.values():
+            try:
+                host.proc.wait(timeout=max(0.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        for name in list(self.hosts):
+            self.drop(name)
+        self.start()
+
+    def fault(self, kind: str, rng: random.Random) -> Callable[[], None] | None:
+        victim = rng.choice(sorted(self.hosts))
+        if kind == "worker":
+            for proc in _children(self.hosts[victim].proc.pid):
+                if "lmres_gpt.py" in " ".join(proc.cmdline()):
+                    proc.kill()
+        elif kind == "host":
+            self.drop(victim)
+            self.restart()
+        elif kind == "freeze":
+            _signal_tree(self.hosts[victim].proc.pid, signal.SIGSTOP)
+            time.sleep(self.hang_after)  # until the watchdog restarts the job
+            self.restart()
+        return None
+
+    def applies(self, kind: str) -> bool:
+        return kind != "store"
+
+
+def _wait_for_port(port: int, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
+
+
 def _children(pid: int) -> list[Any]:
     import psutil
 
@@ -346,29 +542,65 @@ def predicted(mtbf: float, step: float, faults: list[tuple[float, str]]) -> floa
     return value
 
 
+def installed(system: str, envs: dict[str, Path]) -> str | None:
+    """Why ``system`` cannot run here, or None if it can."""
+    needs = {"dlrover": "dlrover-run", "lmres": "lm-resiliency-quickstart"}
+    if system not in needs:
+        return None
+    if not (envs[system] / "bin" / needs[system]).exists():
+        return (f"no {needs[system]} in {envs[system]} (a virtual environment with it: "
+                f"see --{system}-env and ../shared/PEERS.md)")
+    return None
+
+
+def make_job(system: str, tmp: str, shm: str, etcd: EtcdServer, every: int,
+             args: argparse.Namespace) -> Job:
+    if system == "gemini":
+        return Gemini(tmp, shm, etcd)
+    if system == "dlrover":
+        return DLRover(tmp, shm, etcd, env_dir=args.dlrover_env, every=every,
+                       hang_after=args.hang_after)
+    if system == "lmres":
+        return Lmres(tmp, shm, etcd, env_dir=args.lmres_env, every=every,
+                     hang_after=args.hang_after)
+    return Torchrun(tmp, shm, etcd, every=every, hang_after=args.hang_after)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=15.0, help="per system and rate")
     parser.add_argument("--mtbf", default="60,300", help="mean seconds between faults")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--systems", default="gemini,torchrun")
+    parser.add_argument("--systems", default=",".join(SYSTEMS),
+                        help=f"a comma list of {', '.join(SYSTEMS)} (default: all; a peer "
+                             "whose environment is missing is skipped)")
     parser.add_argument("--hang-after", type=float, default=60.0)
+    parser.add_argument("--dlrover-env", type=Path, default=PEERS / "dlrover", metavar="PATH",
+                        help="a virtual environment with DLRover 0.6.1")
+    parser.add_argument("--lmres-env", type=Path, default=PEERS / "lmres", metavar="PATH",
+                        help="a virtual environment with lm-resiliency 0.2.0")
     args = parser.parse_args()
+    envs = {"dlrover": args.dlrover_env, "lmres": args.lmres_env}
+    systems = []
+    for system in args.systems.split(","):
+        if system not in SYSTEMS:
+            parser.error(f"unknown system {system!r}: one of {', '.join(SYSTEMS)}")
+        if (why := installed(system, envs)) is not None:
+            print(f"skipping {system}: {why}", file=sys.stderr, flush=True)
+        else:
+            systems.append(system)
     seconds = args.minutes * 60
     rows = []
     with tempfile.TemporaryDirectory() as probe:
         write = save_time(probe)
     for mtbf in (float(m) for m in args.mtbf.split(",")):
         faults = schedule(args.seed, mtbf, seconds)
-        for system in args.systems.split(","):
+        # Young: the step count nearest sqrt(2 C M), M the job's MTBF
+        every = max(1, round((2 * write * mtbf) ** 0.5 / (IDLE + 0.1)))
+        for system in systems:
             with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(
                     dir="/dev/shm", prefix="bench-") as shm, EtcdServer() as etcd:
-                if system == "gemini":
-                    job: Job = Gemini(tmp, shm, etcd)
-                else:
-                    # Young: the step count nearest sqrt(2 C M), M the job's MTBF
-                    every = max(1, round((2 * write * mtbf) ** 0.5 / (IDLE + 0.1)))
-                    job = Torchrun(tmp, shm, etcd, every=every, hang_after=args.hang_after)
+                job = make_job(system, tmp, shm, etcd, every, args)
                 result = campaign(job, faults, seconds, args.seed)
             live = result["live"]
             plan = predicted(mtbf, result["step"], faults) if system == "gemini" else None
@@ -378,7 +610,7 @@ def main() -> None:
                          "-" if not live else f"{100 * live['ettr']:.1f}%",
                          "-" if plan is None else f"{100 * plan:.1f}%",
                          f"{1000 * result['step']:.0f} ms", result["steps"],
-                         getattr(job, "every", "every step")])
+                         getattr(job, "checkpoint", getattr(job, "every", "every step"))])
             print(rows[-1], file=sys.stderr, flush=True)
     print(f"machine: {machine()}; {args.minutes:g} minutes per system and rate, seed "
           f"{args.seed}; torch.save of the state: {write:.2f} s")
