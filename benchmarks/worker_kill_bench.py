@@ -87,13 +87,17 @@ def worker_kill(nodes: int, etcd: object, tree: Path | None, *, nproc: int = 1,
                                           GEMINI_SHM_DIR=_shm_dir(shm, i)),
                                cwd=str(tree or HERE.parent))
                  for i in range(nodes)}
-        if spare:
-            hosts["new"] = Host(argv, dict(env, GEMINI_HOST_ID="new",
-                                           GEMINI_SHM_DIR=_shm_dir(shm, nodes)),
-                                cwd=str(tree or HERE.parent))
         try:
-            if spare:
-                _wait_for_spare(etcd.url, run_id, time.monotonic() + timeout)  # type: ignore[attr-defined]
+            if spare:  # once the group trains (started with it, the spare may take a place)
+                deadline = time.monotonic() + timeout
+                while not any(h.first(r"^step \d+ ") for h in hosts.values()):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("no progress")
+                    time.sleep(0.1)
+                hosts["new"] = Host(argv, dict(env, GEMINI_HOST_ID="new",
+                                               GEMINI_SHM_DIR=_shm_dir(shm, nodes)),
+                                    cwd=str(tree or HERE.parent))
+                _wait_for_spare(etcd.url, run_id, deadline)  # type: ignore[attr-defined]
             return _kill_one(nodes, hosts, run_root, timeout, nproc, spare,
                              getattr(etcd, "proc", None))
         finally:
