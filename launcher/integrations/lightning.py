@@ -76,7 +76,7 @@ from typing import Any, cast
 import torch
 
 from launcher import rng
-from launcher.hook import Checkpointer
+from launcher.hook import Checkpointer, model_state
 
 logger = logging.getLogger(__name__)
 
@@ -104,18 +104,23 @@ class _LightningSnapshot:
         self.live = False  # whether training runs: dump_checkpoint is complete then
         self.loaded: dict[str, Any] | None = None
         self.loops: Callable[[], dict[str, Any]] | None = None  # see _LoopStates
+        self.weights: Callable[[], dict[str, Any]] | None = None  # see _module_weights
 
     def state_dict(self) -> dict[str, Any]:
         if not self.live:
             return {}  # before the fit loop starts (the Checkpointer sizes its slots)
         connector = self.trainer._checkpoint_connector
-        if self.loops is None:
+        if self.loops is None or self.weights is None:
             self.loops = _LoopStates.checked(self.trainer)
-        connector._get_loops_state_dict = self.loops  # the same dict, faster
+            self.weights = _module_weights(self.trainer)
+        # the same dicts, faster
+        connector._get_loops_state_dict = self.loops
+        connector._get_lightning_module_state_dict = self.weights
         try:
             checkpoint = connector.dump_checkpoint(weights_only=False)
         finally:
             connector.__dict__.pop("_get_loops_state_dict", None)
+            connector.__dict__.pop("_get_lightning_module_state_dict", None)
         rest = {key: value for key, value in checkpoint.items() if key not in _TENSOR_PARTS}
         blob = _pickled_without_tensors(rest)
         if blob is not None:  # the common case: one pickle, no walk of the loops' dicts
@@ -132,6 +137,20 @@ class _LightningSnapshot:
                        for key, value in state.items() if key != _REST}
         if _REST in state:
             self.loaded.update(pickle.loads(state[_REST]))  # this worker's own state
+
+
+def _module_weights(trainer: Any) -> Callable[[], dict[str, Any]]:
+    """The LightningModule's state dict as the checkpoint connector gets it, read by
+    ``model_state`` (its parameters themselves, which the Checkpointer recognises without
+    looking up their storages, and without torch's recursive walk) where the strategy and
+    the module take it from ``Module.state_dict`` unchanged (DDP, one device); else the
+    connector's own method. The keys and values are Lightning's."""
+    connector = trainer._checkpoint_connector
+    base = importlib.import_module(_lightning().__name__ + ".strategies.strategy").Strategy
+    if (type(trainer.strategy).lightning_module_state_dict is base.lightning_module_state_dict
+            and type(trainer.lightning_module).state_dict is torch.nn.Module.state_dict):
+        return lambda: model_state(trainer.lightning_module)
+    return cast("Callable[[], dict[str, Any]]", connector._get_lightning_module_state_dict)
 
 
 class _LoopStates:

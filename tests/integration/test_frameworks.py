@@ -122,21 +122,24 @@ def test_a_lightning_trainer_resumes_from_memory(tmp_path: Path) -> None:
             assert torch.equal(got["weights"][key], tensor), (step, key)
 
 
-def test_lightning_loop_states_are_read_as_lightning_reads_them() -> None:
-    """The integration reads the loops' progress field by field (``_LoopStates``): at
-    every step of a real fit, with a validation every 2 steps and a scheduler, its dict
-    equals Lightning's own, and the fast reader is the one in use (a fallback to
-    Lightning's slower one would pass every resume test unseen)."""
+def test_lightning_loop_states_and_weights_are_read_as_lightning_reads_them() -> None:
+    """The integration reads the loops' progress field by field (``_LoopStates``) and the
+    module's state dict with ``model_state`` (``_module_weights``): at every step of a
+    real fit, with a validation every 2 steps, a scheduler and a batch norm's buffers,
+    both dicts equal Lightning's own, and the fast readers are the ones in use (a fallback
+    to Lightning's slower ones would pass every resume test unseen); a module with its own
+    ``state_dict`` is read Lightning's way."""
     import lightning.pytorch as pl
 
-    from launcher.integrations.lightning import _LoopStates
+    from launcher.integrations.lightning import _LoopStates, _module_weights
 
     seen: list[bool] = []
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = torch.nn.Linear(4, 1)
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
+                                           torch.nn.Linear(4, 1))
 
         def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
             return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
@@ -156,15 +159,33 @@ def test_lightning_loop_states_are_read_as_lightning_reads_them() -> None:
 
     class Compare(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            connector = trainer._checkpoint_connector
             fast = _LoopStates.checked(trainer)
+            weights, own = _module_weights(trainer)(), connector._get_lightning_module_state_dict()
             seen.append(isinstance(fast, _LoopStates)
-                        and fast() == trainer._checkpoint_connector._get_loops_state_dict())
+                        and fast() == connector._get_loops_state_dict()
+                        and list(weights) == list(own)
+                        and all(torch.equal(weights[k], own[k]) for k in own)
+                        and weights["net.0.weight"] is trainer.lightning_module.net[0].weight)
 
-    trainer = pl.Trainer(max_steps=6, val_check_interval=2, callbacks=[Compare()],
-                         accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(Model())
+    def fit(model: pl.LightningModule, *callbacks: pl.Callback) -> None:
+        pl.Trainer(max_steps=6, val_check_interval=2, callbacks=list(callbacks),
+                   accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False).fit(model)
+
+    fit(Model(), Compare())
+    assert seen == [True] * 6
+
+    class OwnStateDict(Model):
+        def state_dict(self, *args: object, **kwargs: object) -> dict:
+            return {"only": torch.zeros(1)}
+
+    class Fallback(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+            seen.append(list(_module_weights(trainer)()) == ["only"])
+
+    seen.clear()
+    fit(OwnStateDict(), Fallback())
     assert seen == [True] * 6
 
 
@@ -190,6 +211,7 @@ def test_a_lightning_checkpoints_tensorless_parts_are_one_pickle() -> None:
 
     snapshot = _LightningSnapshot()
     snapshot.live, snapshot.loops = True, dict  # dict() stands in for the loops' reader
+    snapshot.weights = dict  # and for the module's
     weights = {"w": torch.ones(2)}
     for checkpoint in ({**rest, "state_dict": weights},
                        {**rest, "state_dict": weights, "callbacks": {"best": torch.tensor(0.5)}}):
