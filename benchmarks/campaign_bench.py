@@ -465,7 +465,6 @@ def campaign(job: Job, faults: list[tuple[float, str]], seconds: float, seed: in
              ) -> dict[str, Any]:
     rng = random.Random(seed + 1)
     began = time.time()
-    job.start()
     done = postponed = 0
     last = began
     injected: list[tuple[float, str]] = []
@@ -478,29 +477,32 @@ def campaign(job: Job, faults: list[tuple[float, str]], seconds: float, seed: in
             time.sleep(0.1)
         return True
 
-    for offset, kind in faults:
-        while time.time() < began + offset:
-            time.sleep(0.1)
-        if not job.applies(kind):
-            continue
-        postponed += not job.stepped_since(last)
-        if not wait_for_a_step():
-            break
-        injected.append((time.time(), kind))
-        after = job.fault(kind, rng)
-        last = time.time()
-        if after is not None and wait_for_a_step():
-            after()
+    try:
+        job.start()
+        for offset, kind in faults:
+            while time.time() < began + offset:
+                time.sleep(0.1)
+            if not job.applies(kind):
+                continue
+            postponed += not job.stepped_since(last)
+            if not wait_for_a_step():
+                break
+            injected.append((time.time(), kind))
+            after = job.fault(kind, rng)
             last = time.time()
-        done += 1
-    while time.time() < began + seconds:
-        time.sleep(0.5)
-    ended = time.time()
-    live = job.live()
-    lines = job.steps()
+            if after is not None and wait_for_a_step():
+                after()
+                last = time.time()
+            done += 1
+        while time.time() < began + seconds:
+            time.sleep(0.5)
+        ended = time.time()
+        live = job.live()
+        lines = job.steps()
+    finally:  # an interrupted campaign leaves no process behind
+        job.close()
     ettr, step, steps = log_ettr(lines, began, ended)
     _each_fault(job.name, lines, injected, began)
-    job.close()
     return {"ettr": ettr, "step": step, "steps": steps, "faults": done,
             "postponed": postponed, "wall": ended - began, "live": live}
 
@@ -580,6 +582,8 @@ def main() -> None:
     parser.add_argument("--lmres-env", type=Path, default=PEERS / "lmres", metavar="PATH",
                         help="a virtual environment with lm-resiliency 0.2.0")
     args = parser.parse_args()
+    # SIGTERM unwinds like Ctrl-C: the jobs, stores and folders of the campaign are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     envs = {"dlrover": args.dlrover_env, "lmres": args.lmres_env}
     systems = []
     for system in args.systems.split(","):
