@@ -44,3 +44,14 @@ def _remove_dead_runs_segments() -> Iterator[None]:
         for name in names:
             if name not in before:
                 memory.unlink_segment(name)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``long`` (many minutes each) run only where ``-m`` names them
+    (``bash tests/run.sh long``): the suite keeps its time budget."""
+    if "long" in (config.option.markexpr or ""):
+        return
+    long = [item for item in items if item.get_closest_marker("long") is not None]
+    if long:
+        config.hook.pytest_deselected(items=long)
+        items[:] = [item for item in items if item.get_closest_marker("long") is None]

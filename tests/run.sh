@@ -3,7 +3,8 @@
 # Extra arguments go to pytest, e.g. `bash tests/run.sh -k parity -x`; a first argument
 # `unit` or `integration` runs only tests/unit (seconds) or tests/integration, e.g.
 # `bash tests/run.sh unit -x`; `compat` runs the unit tests and a kill-and-resume test on
-# the newest torch the package index offers (in .venv-compat).
+# the newest torch the package index offers (in .venv-compat); `long` runs the tests that
+# take many minutes each (marked `long`, left out of every other run).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +23,8 @@ bash "$ROOT/.ci/setup.sh" test
 cd "$ROOT"
 if [ "$#" -gt 0 ] && { [ "$1" = unit ] || [ "$1" = integration ]; }; then
     set -- "tests/$1" "${@:2}"
+elif [ "${1:-}" = long ]; then
+    set -- tests -m long "${@:2}"
 fi
 set +e
 # Two test processes (pytest-xdist; GEMINI_TEST_JOBS=N for more, 0 for one process): most
