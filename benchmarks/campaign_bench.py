@@ -503,6 +503,7 @@ def campaign(job: Job, faults: list[tuple[float, str]], seconds: float, seed: in
         job.close()
     ettr, step, steps = log_ettr(lines, began, ended)
     _each_fault(job.name, lines, injected, began)
+    _where_it_went(job.name, lines, [at for at, _ in injected], began, step, live)
     return {"ettr": ettr, "step": step, "steps": steps, "faults": done,
             "postponed": postponed, "wall": ended - began, "live": live}
 
@@ -516,6 +517,25 @@ def _each_fault(name: str, lines: list[tuple[float, int, int]],
         if resumed is not None:
             print(f"  {name}: {kind} at +{at - began:.0f} s: next step {resumed[0] - at:.1f} s "
                   f"later, {max(0, before - resumed[1] + 1)} steps redone", file=sys.stderr)
+
+
+def _where_it_went(name: str, lines: list[tuple[float, int, int]], faults: list[float],
+                   began: float, median: float, live: dict[str, Any] | None) -> None:
+    """On stderr: the first step's time from the launch, the time lost in steps slower
+    than the median (consecutive steps of one stream, no fault between them), and the
+    system's own breakdown if it has one."""
+    first = min((t for t, _, _ in lines), default=began) - began
+    slow, last = 0.0, {}
+    for at, step, stream in lines:
+        if (stream in last and step == last[stream][1] + 1
+                and not any(last[stream][0] <= fault <= at for fault in faults)):
+            slow += max(0.0, at - last[stream][0] - median)
+        last[stream] = (at, step)
+    parts = "" if not live else ", its own breakdown: " + ", ".join(
+        f"{part} {seconds:.1f} s" for part, seconds in sorted(
+            live.get("lost_s", {}).items(), key=lambda kv: -kv[1]) if seconds >= 0.05)
+    print(f"  {name}: first step {first:.1f} s after the launch; steps slower than the "
+          f"median {slow:.1f} s{parts}", file=sys.stderr, flush=True)
 
 
 def save_time(tmp: str) -> float:
