@@ -137,6 +137,7 @@ class Job:
     """One system's job: its hosts, how each fault is done to it, and its steps."""
 
     name = ""
+    checkpoint = "every step"  # how often it checkpoints, for the table
 
     def __init__(self, tmp: str, shm: str, etcd: EtcdServer) -> None:
         self.tmp, self.shm, self.etcd = tmp, shm, etcd
@@ -249,6 +250,7 @@ class Torchrun(Job):
     def __init__(self, *args: Any, every: int, hang_after: float) -> None:
         super().__init__(*args)
         self.every, self.hang_after = every, hang_after
+        self.checkpoint = f"every {every}"
         self.frozen_at: float | None = None
 
     def start(self) -> None:
@@ -634,7 +636,7 @@ def main() -> None:
                          "-" if not live else f"{100 * live['ettr']:.1f}%",
                          "-" if plan is None else f"{100 * plan:.1f}%",
                          f"{1000 * result['step']:.0f} ms", result["steps"],
-                         getattr(job, "checkpoint", getattr(job, "every", "every step"))])
+                         job.checkpoint])
             print(rows[-1], file=sys.stderr, flush=True)
     print(f"machine: {machine()}; {args.minutes:g} minutes per system and rate, seed "
           f"{args.seed}; torch.save of the state: {write:.2f} s")
