@@ -16,8 +16,11 @@ interruptions in 54 days, 78% hardware):
   job has stepped on without it;
 * ``store`` (10%): the coordination store (etcd) restarted.
 
-A lost host is replaced the way a scheduler would: gemini starts a new spare at once (the
-job keeps one hot spare: three hosts, two in the group); torchrun's job is restarted
+A lost host is replaced the way a scheduler would: gemini's job keeps one hot spare (three
+hosts, two in the group), and a new spare is started for each host lost, once the job has
+stepped again (on a cluster a spare is a machine of its own: started during the take-over,
+here it would take the two cores from the recovery; the first spare likewise starts once
+the group has stepped); torchrun's job is restarted
 whole at once (its c10d rendezvous cannot admit a replacement host into a later round),
 and a frozen host stops it until a watchdog (``--hang-after``, 60 s) restarts it, as
 torchrun itself waits for gloo's 30-minute timeout; a store restart does not concern it
@@ -163,6 +166,9 @@ class Job:
     def start(self) -> None:
         raise NotImplementedError
 
+    def tick(self) -> None:
+        """Called every 0.1 s while the campaign waits: what the scheduler does meanwhile."""
+
     def applies(self, kind: str) -> bool:
         """Whether a fault of ``kind`` concerns this system."""
         return True
@@ -190,7 +196,15 @@ class Gemini(Job):
 
     def start(self) -> None:
         self.run_id = f"campaign-{os.getpid()}-{time.monotonic_ns()}"
-        for _ in range(3):  # two in the group, one spare
+        self.spares: list[float] = [time.time()]  # spares asked for, when: the first one
+        for _ in range(2):  # the group; the spare once it steps
+            self._host()
+
+    def tick(self) -> None:
+        """Start each spare asked for once the job has stepped since (a spare's start on
+        these two cores would slow the take-over it is meant to serve)."""
+        while self.spares and self.stepped_since(self.spares[0]):
+            self.spares.pop(0)
             self._host()
 
     def _host(self) -> None:
@@ -220,13 +234,13 @@ class Gemini(Job):
                 pass
         elif kind == "host":
             self.drop(victim)
-            self._host()  # the scheduler's replacement waits as the next spare
+            self.spares.append(time.time())  # the scheduler's replacement: the next spare
         elif kind == "freeze":
             _signal_tree(self.hosts[victim].proc.pid, signal.SIGSTOP)
 
             def after() -> None:  # once the job stepped on without it
                 self.drop(victim)
-                self._host()
+                self.spares.append(time.time())
             return after
         elif kind == "store":
             self.etcd.stop()
@@ -476,14 +490,19 @@ def campaign(job: Job, faults: list[tuple[float, str]], seconds: float, seed: in
         while not job.stepped_since(last):
             if time.time() >= began + seconds:
                 return False
+            job.tick()
             time.sleep(0.1)
         return True
+
+    def wait_until(moment: float) -> None:
+        while time.time() < moment:
+            job.tick()
+            time.sleep(0.1)
 
     try:
         job.start()
         for offset, kind in faults:
-            while time.time() < began + offset:
-                time.sleep(0.1)
+            wait_until(began + offset)
             if not job.applies(kind):
                 continue
             postponed += not job.stepped_since(last)
@@ -496,8 +515,7 @@ def campaign(job: Job, faults: list[tuple[float, str]], seconds: float, seed: in
                 after()
                 last = time.time()
             done += 1
-        while time.time() < began + seconds:
-            time.sleep(0.5)
+        wait_until(began + seconds)
         ended = time.time()
         live = job.live()
         lines = job.steps()

@@ -347,8 +347,10 @@ class _Channel:
         self.sock.close()
 
 
-def _connect(address: tuple[str, int], *, secret: bytes, run_id: str, timeout: float) -> _Channel:
-    """Open and authenticate a connection to the server at ``address``."""
+def _connect(address: tuple[str, int], *, secret: bytes, run_id: str, timeout: float,
+             opened: Callable[[socket.socket], None] | None = None) -> _Channel:
+    """Open and authenticate a connection to the server at ``address``; ``opened`` is
+    given the socket before the handshake (to abort it from another thread)."""
     peer = f"{address[0]}:{address[1]}"
     try:
         sock = socket.create_connection(address, timeout=timeout)
@@ -356,6 +358,8 @@ def _connect(address: tuple[str, int], *, secret: bytes, run_id: str, timeout: f
     except OSError as exc:
         raise ReplicationError(f"cannot connect to {peer}: {exc}") from None
     try:
+        if opened is not None:
+            opened(sock)
         client_nonce = secrets.token_bytes(NONCE_SIZE)
         _sendall(sock, HELLO.pack(MAGIC, client_nonce, run_tag(run_id)), timeout)
         server_nonce = parse_welcome(_recv_exact(sock, WELCOME.size, timeout))
@@ -873,6 +877,7 @@ class Client:
         self._secret = secret
         self._lock = threading.Lock()
         self._channel: _Channel | None = None
+        self._opening: socket.socket | None = None  # a connection in its handshake
         self._closes = 0  # close() calls: an operation that sees one fail does not retry
         self.sent = 0
         """Data bytes pushed so far."""
@@ -889,13 +894,30 @@ class Client:
         a later operation opens a new connection."""
         self._closes += 1
         channel = self._channel
-        if channel is not None:
-            try:
-                channel.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        for sock in (self._opening, None if channel is None else channel.sock):
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         with self._lock:
             self._drop()
+
+    def _open(self, timeout: float) -> _Channel:
+        """A new connection (under the lock); a close() during its handshake (a peer
+        that accepts but never answers: a frozen host) aborts it at once."""
+        closes = self._closes
+
+        def opened(sock: socket.socket) -> None:
+            self._opening = sock
+            if self._closes != closes:
+                raise ReplicationError(f"{self.peer}: closed while connecting")
+
+        try:
+            return _connect(self.address, secret=self._secret, run_id=self.run_id,
+                            timeout=timeout, opened=opened)
+        finally:
+            self._opening = None
 
     def _drop(self) -> None:
         if self._channel is not None:
@@ -908,8 +930,7 @@ class Client:
             for attempt in range(2):
                 reused = self._channel is not None
                 if self._channel is None:
-                    self._channel = _connect(self.address, secret=self._secret,
-                                             run_id=self.run_id, timeout=self.timeout)
+                    self._channel = self._open(self.timeout)
                 try:
                     return op(self._channel)
                 except Refused:
@@ -984,8 +1005,7 @@ class Client:
         with self._lock:
             try:
                 if self._channel is None:
-                    self._channel = _connect(self.address, secret=self._secret,
-                                             run_id=self.run_id, timeout=timeout)
+                    self._channel = self._open(timeout)
                 channel = self._channel
                 channel.timeout = timeout
                 channel.send({"op": "ping"})

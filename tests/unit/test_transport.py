@@ -764,3 +764,33 @@ def test_closing_a_client_aborts_a_push_to_a_peer_that_stopped_reading(net: Net)
         assert not pusher.is_alive() and time.monotonic() - began < 30  # not the 60 s timeout
     assert len(outcome) == 1 and isinstance(outcome[0], ReplicationError), outcome
     assert client.push(fill(net.a, 0, 3, random_data(10_000, 5))) == 3  # a new connection
+
+
+def test_closing_a_client_aborts_a_handshake_with_a_peer_that_never_answers(net: Net) -> None:
+    """A frozen host's kernel still completes the TCP connection, but its server never
+    answers the handshake: closing the client (a new round without that peer) ends the
+    push in its handshake at once, not after the client's timeout."""
+    frozen = socket.socket()
+    frozen.bind(("127.0.0.1", 0))
+    frozen.listen(8)  # never accepted, never answered
+    client = Client(frozen.getsockname(), secret=SECRET, run_id=net.run_id, timeout=60.0)
+    outcome: list[BaseException | int | None] = []
+
+    def push() -> None:
+        try:
+            outcome.append(client.push(fill(net.a, 0, 1, random_data(10_000, 3))))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        pusher = threading.Thread(target=push, daemon=True)
+        pusher.start()
+        pusher.join(1.0)
+        assert pusher.is_alive() and outcome == []  # waiting for the peer's welcome
+        began = time.monotonic()
+        client.close()
+        pusher.join(30.0)
+        assert not pusher.is_alive() and time.monotonic() - began < 5, outcome
+        assert len(outcome) == 1 and isinstance(outcome[0], ReplicationError), outcome
+    finally:
+        frozen.close()
