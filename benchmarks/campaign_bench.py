@@ -18,9 +18,10 @@ interruptions in 54 days, 78% hardware):
 
 A lost host is replaced the way a scheduler would: gemini's job keeps one hot spare (three
 hosts, two in the group), and a new spare is started for each host lost, once the job has
-stepped again (on a cluster a spare is a machine of its own: started during the take-over,
-here it would take the two cores from the recovery; the first spare likewise starts once
-the group has stepped); torchrun's job is restarted
+stepped again, and until it takes a place it gets only the CPU time the job leaves idle (a
+cgroup of its own with the lowest CPU weight, where the machine has one: on a cluster a
+spare is a machine of its own; here its start would take the two cores from the job);
+torchrun's job is restarted
 whole at once (its c10d rendezvous cannot admit a replacement host into a later round),
 and a frozen host stops it until a watchdog (``--hang-after``, 60 s) restarts it, as
 torchrun itself waits for gloo's 30-minute timeout; a store restart does not concern it
@@ -191,23 +192,83 @@ class Job:
             self.drop(name)
 
 
+class SpareCPU:
+    """A cgroup per waiting spare with the lowest CPU weight, so that its start takes only
+    the CPU time the job leaves idle (as a machine of its own would), restored to the
+    default once it takes a place. cgroup v1's cpu controller or v2's; without a writable
+    one (not root), spares start at full weight and a line says so."""
+
+    def __init__(self) -> None:
+        self.root: Path | None = None
+        self.held: dict[str, Path] = {}
+        for root, knob, low, default in ((Path("/sys/fs/cgroup/cpu"), "cpu.shares", 2, 1024),
+                                          (Path("/sys/fs/cgroup"), "cpu.weight", 1, 100)):
+            if (root / knob).exists() or (root / "cgroup.subtree_control").exists() and \
+                    "cpu" in (root / "cgroup.subtree_control").read_text().split():
+                probe = root / f"gemini-campaign-{os.getpid()}"
+                try:
+                    probe.mkdir()
+                    probe.rmdir()
+                except OSError:
+                    continue
+                self.root, self.knob, self.low, self.default = root, knob, low, default
+                return
+        print("campaign: no writable cgroup cpu controller: spares start at full CPU weight",
+              file=sys.stderr, flush=True)
+
+    def hold(self, name: str, pid: int) -> None:
+        if self.root is None:
+            return
+        group = self.root / f"gemini-campaign-{os.getpid()}-{name}"
+        try:
+            group.mkdir()
+            (group / self.knob).write_text(str(self.low))
+            (group / "cgroup.procs").write_text(str(pid))  # its children follow
+        except OSError:
+            return
+        self.held[name] = group
+
+    def release(self, name: str) -> None:
+        if (group := self.held.get(name)) is not None:
+            (group / self.knob).write_text(str(self.default))
+
+    def close(self) -> None:
+        assert self.root is not None or not self.held
+        for group in self.held.values():
+            try:
+                for pid in (group / "cgroup.procs").read_text().split():
+                    (self.root / "cgroup.procs").write_text(pid)  # type: ignore[operator]
+                group.rmdir()
+            except OSError:
+                pass
+        self.held.clear()
+
+
 class Gemini(Job):
     name = "gemini (hot spare)"
 
     def start(self) -> None:
         self.run_id = f"campaign-{os.getpid()}-{time.monotonic_ns()}"
         self.spares: list[float] = [time.time()]  # spares asked for, when: the first one
+        self.cpu, self.waiting = SpareCPU(), set[str]()
         for _ in range(2):  # the group; the spare once it steps
             self._host()
 
     def tick(self) -> None:
         """Start each spare asked for once the job has stepped since (a spare's start on
-        these two cores would slow the take-over it is meant to serve)."""
+        these two cores would slow the take-over it is meant to serve), at the lowest CPU
+        weight until it takes a place."""
         while self.spares and self.stepped_since(self.spares[0]):
             self.spares.pop(0)
-            self._host()
+            name = self._host()
+            self.cpu.hold(name, self.hosts[name].proc.pid)
+            self.waiting.add(name)
+        if self.waiting:
+            for name in self.waiting & set(self.members()):
+                self.cpu.release(name)
+                self.waiting.discard(name)
 
-    def _host(self) -> None:
+    def _host(self) -> str:
         name = f"h{self.count}"
         argv = [*GEMINI, "--nnodes", "2:2", "--nproc-per-node", "1", "--rdzv-backend",
                 "etcd-v3", "--rdzv-endpoint", self.etcd.endpoint, "--rdzv-id", self.run_id,
@@ -216,6 +277,7 @@ class Gemini(Job):
         self.hosts[name] = Host(argv, dict(self.env, GEMINI_HOST_ID=name,
                                            GEMINI_SHM_DIR=_shm_dir(self.shm, self.count)))
         self.count += 1
+        return name
 
     def members(self) -> list[str]:
         """Live hosts that ever started workers (a spare has not)."""
@@ -247,6 +309,10 @@ class Gemini(Job):
             time.sleep(1.0)
             self.etcd.start()
         return None
+
+    def close(self) -> None:
+        super().close()
+        self.cpu.close()
 
     def live(self) -> dict[str, Any] | None:
         shown = subprocess.run([sys.executable, "-m", "gemini_cli", "status", "--store",
