@@ -212,9 +212,10 @@ class Ledger:
     def resume(cls, record: Mapping[str, Any], now: float) -> Ledger:
         """A ledger that goes on from ``record`` (another supervisor's, as stored): the
         time since it was written is ``waiting`` (nobody here accounted for it), and a
-        record written while training counts one failure more (the one that ended its
-        writer, or the round that this host joins to replace it); ValueError if the record
-        is not a ledger of this schema."""
+        record written while its round ran (its workers starting, restoring or training)
+        counts one failure more: the one that ended its writer, or the round that this
+        host joins to replace it (a record written between rounds has counted its round's
+        end already); ValueError if the record is not a ledger of this schema."""
         ledger = cls()
         ledger.resumed = True
         if record.get("v") != SCHEMA:
@@ -235,8 +236,8 @@ class Ledger:
                 ledger.samples.append(sample)
         # Accounted up to t0 + its parts (so that they add up whatever the record says);
         # what the writer had not accounted for yet, and the time since, nobody here saw.
-        if record.get("phase") == "training":  # its writer's end is a failure it missed
-            ledger.failures += 1
+        if record.get("phase") in ("starting", "restoring", "training"):
+            ledger.failures += 1  # its writer's end is a failure it missed
         ledger.mark = t0 + sum(ledger.seconds.values())
         ledger._unseen_time = max(0.0, now - ledger.mark)
         ledger._account("waiting", now)
