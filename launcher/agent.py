@@ -318,7 +318,8 @@ def _progress_services(config: RunConfig, launch_config: Any, health: HealthServ
     from launcher.goodput import GoodputService
     from launcher.stragglers import StragglerService
 
-    goodput = GoodputService(health.progress, events, coordination.goodput_records)
+    goodput = GoodputService(health.progress, events, coordination.goodput_records,
+                             coordination.host_id)
     coordination.reports["goodput"] = goodput.record
     if config.straggler_threshold <= 0 or launch_config.max_nodes <= 1:
         return [goodput]

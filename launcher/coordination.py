@@ -677,14 +677,16 @@ class CoordinationService:
         if self.on_verdict is not None and value is not None:
             self.on_verdict(_parse_record(value))
 
-    def goodput_records(self) -> list[dict[str, Any]]:
-        """Every host's goodput ledger of the run as stored (read once, as a supervisor
-        starts: it goes on from the newest; [] when the store cannot say)."""
+    def goodput_records(self) -> dict[str, dict[str, Any]]:
+        """Every host's goodput ledger of the run as stored, by host (read once, as a
+        supervisor starts: it goes on from the newest; {} when the store cannot say)."""
+        key = self.prefix + "goodput/"
         try:
-            values = self.store.get_prefix(self.prefix + "goodput/").values()
+            values = self.store.get_prefix(key)
         except StoreError:
-            return []
-        return [record for value in values if (record := _parse_record(value))]
+            return {}
+        return {name[len(key):]: record for name, value in values.items()
+                if (record := _parse_record(value))}
 
     def _flush(self) -> None:
         pending: list[tuple[str, bytes]] = []

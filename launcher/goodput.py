@@ -209,13 +209,15 @@ class Ledger:
                 "report": self.report(now)}
 
     @classmethod
-    def resume(cls, record: Mapping[str, Any], now: float) -> Ledger:
-        """A ledger that goes on from ``record`` (another supervisor's, as stored): the
+    def resume(cls, record: Mapping[str, Any], now: float, *, own: bool = True) -> Ledger:
+        """A ledger that goes on from ``record`` (another supervisor's, as stored; ``own``:
+        of this host, before its supervisor restarted, else a peer's, for a spare): the
         time since it was written is ``waiting`` (nobody here accounted for it), and a
-        record written while its round ran (its workers starting, restoring or training)
-        counts one failure more: the one that ended its writer, or the round that this
-        host joins to replace it (a record written between rounds has counted its round's
-        end already); ValueError if the record is not a ledger of this schema."""
+        record written while training counts one failure more: the one that ended its
+        writer, or the round that this host joins to replace it. So does this host's own
+        record written while its workers started or restored: its supervisor's end
+        interrupted them (a peer's was written after it counted the failure that this
+        host's round replaces). ValueError if the record is not a ledger of this schema."""
         ledger = cls()
         ledger.resumed = True
         if record.get("v") != SCHEMA:
@@ -236,7 +238,8 @@ class Ledger:
                 ledger.samples.append(sample)
         # Accounted up to t0 + its parts (so that they add up whatever the record says);
         # what the writer had not accounted for yet, and the time since, nobody here saw.
-        if record.get("phase") in ("starting", "restoring", "training"):
+        if record.get("phase") == "training" or own and record.get("phase") in (
+                "starting", "restoring"):
             ledger.failures += 1  # its writer's end is a failure it missed
         ledger.mark = t0 + sum(ledger.seconds.values())
         ledger._unseen_time = max(0.0, now - ledger.mark)
@@ -267,12 +270,15 @@ class GoodputService:
     every monitor tick (``HealthService.progress``)."""
 
     def __init__(self, progress: Callable[[], Sequence[tuple[int, ...]]], events: EventLog,
-                 stored: Callable[[], Iterable[Mapping[str, Any]]] = tuple) -> None:
-        """``stored`` reads the ledgers of the run in the store: as this host's first
-        round starts, it goes on from the newest that has not finished (its own, from
-        before its supervisor restarted; a running host's, for a spare)."""
+                 stored: Callable[[], Mapping[str, Mapping[str, Any]]] = dict,
+                 host: str = "") -> None:
+        """``stored`` reads the ledgers of the run in the store, by host: as this host
+        (``host``) starts its first round, it goes on from the newest that has not
+        finished (its own, from before its supervisor restarted; a running host's, for a
+        spare)."""
         self._progress = progress
         self._stored = stored
+        self._host = host
         self._lock = threading.Lock()
         self.ledger = Ledger()
         events.add_sink(self._on_event)
@@ -290,10 +296,11 @@ class GoodputService:
                 self.ledger.finished(now)
 
     def _resume(self, now: float) -> None:
-        found = newest(r for r in self._stored() if r.get("phase") != "done")
+        stored = {host: r for host, r in self._stored().items() if r.get("phase") != "done"}
+        found = newest(stored.values())
         if found is not None:
             try:
-                self.ledger = Ledger.resume(found, now)
+                self.ledger = Ledger.resume(found, now, own=stored.get(self._host) is found)
             except ValueError:
                 pass
 

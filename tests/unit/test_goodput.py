@@ -117,8 +117,9 @@ def test_a_resumed_ledger_keeps_the_run_and_counts_the_gap_as_waiting() -> None:
     assert resumed.failures == 1  # written while training: what ended its writer
     ledger.ended(12.5)  # written after its writer's restart: counted there
     assert Ledger.resume(ledger.to_json(13.0), 31.0).failures == 1
-    ledger.started(13.5)  # written while the next round's workers start: its writer's end
-    assert Ledger.resume(ledger.to_json(14.0), 31.0).failures == 2  # is one more
+    ledger.started(13.5)  # written while the next round's workers start: its supervisor's
+    assert Ledger.resume(ledger.to_json(14.0), 31.0).failures == 2  # end is one more,
+    assert Ledger.resume(ledger.to_json(14.0), 31.0, own=False).failures == 1  # a spare's not
     resumed.started(32.0)
     _restore(resumed, 32.5, 33.0, 14)  # the job ran on to 14 steps meanwhile, elsewhere
     _steps(resumed, 15, 16, 33.0, stall=0.0)
