@@ -350,16 +350,11 @@ class _Channel:
 def _connect(address: tuple[str, int], *, secret: bytes, run_id: str, timeout: float,
              opened: Callable[[socket.socket], None] | None = None) -> _Channel:
     """Open and authenticate a connection to the server at ``address``; ``opened`` is
-    given the socket before the handshake (to abort it from another thread)."""
+    given the socket before it connects (to abort the connection or its handshake from
+    another thread: Linux's shutdown() ends a connect() in progress too)."""
     peer = f"{address[0]}:{address[1]}"
+    sock = _open_socket(address, timeout, opened)
     try:
-        sock = socket.create_connection(address, timeout=timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    except OSError as exc:
-        raise ReplicationError(f"cannot connect to {peer}: {exc}") from None
-    try:
-        if opened is not None:
-            opened(sock)
         client_nonce = secrets.token_bytes(NONCE_SIZE)
         _sendall(sock, HELLO.pack(MAGIC, client_nonce, run_tag(run_id)), timeout)
         server_nonce = parse_welcome(_recv_exact(sock, WELCOME.size, timeout))
@@ -379,6 +374,34 @@ def _connect(address: tuple[str, int], *, secret: bytes, run_id: str, timeout: f
     except BaseException:
         sock.close()
         raise
+
+
+def _open_socket(address: tuple[str, int], timeout: float,
+                 opened: Callable[[socket.socket], None] | None) -> socket.socket:
+    """A TCP connection to ``address`` (each of its addresses in turn, as
+    ``socket.create_connection``), handed to ``opened`` before it connects."""
+    peer = f"{address[0]}:{address[1]}"
+    failure: OSError | None = None
+    try:
+        found = socket.getaddrinfo(address[0], address[1], 0, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ReplicationError(f"cannot connect to {peer}: {exc}") from None
+    for family, kind, proto, _, sockaddr in found:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(timeout)
+            if opened is not None:
+                opened(sock)
+            sock.connect(sockaddr)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as exc:
+            sock.close()
+            failure = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise ReplicationError(f"cannot connect to {peer}: {failure}")
 
 
 class _SourceFile:
@@ -904,8 +927,10 @@ class Client:
             self._drop()
 
     def _open(self, timeout: float) -> _Channel:
-        """A new connection (under the lock); a close() during its handshake (a peer
-        that accepts but never answers: a frozen host) aborts it at once."""
+        """A new connection (under the lock); a close() while it connects (a peer
+        that drops the connection request: a frozen or cut-off host) or during its
+        handshake (one that accepts but never answers: a stopped server) aborts it at
+        once."""
         closes = self._closes
 
         def opened(sock: socket.socket) -> None:

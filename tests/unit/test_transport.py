@@ -766,13 +766,29 @@ def test_closing_a_client_aborts_a_push_to_a_peer_that_stopped_reading(net: Net)
     assert client.push(fill(net.a, 0, 3, random_data(10_000, 5))) == 3  # a new connection
 
 
-def test_closing_a_client_aborts_a_handshake_with_a_peer_that_never_answers(net: Net) -> None:
-    """A frozen host's kernel still completes the TCP connection, but its server never
-    answers the handshake: closing the client (a new round without that peer) ends the
-    push in its handshake at once, not after the client's timeout."""
+@pytest.mark.parametrize("peer", ["accepts, never answers", "drops connection requests"])
+def test_closing_a_client_aborts_a_connection_to_a_frozen_peer(net: Net, peer: str) -> None:
+    """A stopped server's kernel still completes the TCP connection but nobody answers
+    the handshake; a frozen or cut-off host answers no connection request at all (here:
+    a listener whose accept queue is full, so its kernel drops them). Either way, closing
+    the client (a new round without that peer) ends the push at once, not after the
+    client's timeout."""
     frozen = socket.socket()
     frozen.bind(("127.0.0.1", 0))
-    frozen.listen(8)  # never accepted, never answered
+    frozen.listen(0)  # never accepted, never answered
+    queued = []
+    if peer == "drops connection requests":
+        while True:  # fill the accept queue: later connection requests are dropped
+            filler = socket.create_connection(frozen.getsockname(), timeout=5)
+            queued.append(filler)
+            probe = socket.socket()
+            probe.settimeout(0.3)
+            try:
+                probe.connect(frozen.getsockname())
+                queued.append(probe)
+            except OSError:
+                probe.close()
+                break
     client = Client(frozen.getsockname(), secret=SECRET, run_id=net.run_id, timeout=60.0)
     outcome: list[BaseException | int | None] = []
 
@@ -786,11 +802,12 @@ def test_closing_a_client_aborts_a_handshake_with_a_peer_that_never_answers(net:
         pusher = threading.Thread(target=push, daemon=True)
         pusher.start()
         pusher.join(1.0)
-        assert pusher.is_alive() and outcome == []  # waiting for the peer's welcome
+        assert pusher.is_alive() and outcome == []  # waiting for the peer
         began = time.monotonic()
         client.close()
         pusher.join(30.0)
         assert not pusher.is_alive() and time.monotonic() - began < 5, outcome
         assert len(outcome) == 1 and isinstance(outcome[0], ReplicationError), outcome
     finally:
-        frozen.close()
+        for sock in [frozen, *queued]:
+            sock.close()
