@@ -105,13 +105,15 @@ _BASE64 = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012345
 def secret_bits(secret: bytes) -> int:
     """The bits of random material ``secret`` (a --secret-file's stripped contents) holds
     at most, from its alphabet: 4 a hex digit, 6 a base64 or other printable character,
-    8 a byte otherwise; of a secret that repeats itself (``password1password1``,
-    ``0123456789abcdef0123456789abcdef``), only the part before the repetition counts.
+    8 a byte otherwise; of a secret that repeats itself, its part at least twice
+    (``password1password1``, ``0123456789abcdef0123456789abcdef``), only that part
+    counts (a random secret that merely ends as it began is not a repetition).
     The transport's handshake makes the client prove first, so a rogue server (a peer's
     address taken over) can test guesses of the secret offline: only enough material,
     not the handshake, stops that."""
     symbols = secret.rstrip(b"=")
-    symbols = symbols[:_period(symbols)]
+    if 2 * (period := _period(symbols)) <= len(symbols):
+        symbols = symbols[:period]
     if symbols and all(c in _HEX for c in symbols):
         return 4 * len(symbols)
     if all(c in _BASE64 or 0x20 <= c < 0x7F for c in symbols):
