@@ -47,8 +47,8 @@ def _remove_dead_runs_segments() -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``long`` (many minutes each) run only where ``-m`` names them
-    (``bash tests/run.sh long``): the suite keeps its time budget."""
+    """Tests marked ``long`` (many minutes each, or cases another test covers) run only
+    where ``-m`` names them (``bash tests/run.sh long``): the suite keeps its time budget."""
     if "long" in (config.option.markexpr or ""):
         return
     long = [item for item in items if item.get_closest_marker("long") is not None]

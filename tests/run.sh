@@ -4,7 +4,8 @@
 # `unit` or `integration` runs only tests/unit (seconds) or tests/integration, e.g.
 # `bash tests/run.sh unit -x`; `compat` runs the unit tests and a kill-and-resume test on
 # the newest torch the package index offers (in .venv-compat); `long` runs the tests that
-# take many minutes each (marked `long`, left out of every other run).
+# take many minutes each or repeat cases others cover (marked `long`, left out of every
+# other run).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
