@@ -737,6 +737,28 @@ def test_a_flood_of_bad_hellos_is_reported_in_a_few_lines(net: Net) -> None:
     assert net.client(server).push(fill(net.a, 0, 1, random_data(10_000, 3))) == 1
 
 
+def _close_during_push(client: Client, segment: memory.Segment) -> tuple[list[Any], float]:
+    """Push ``segment`` from a thread; once it is blocked on the peer (1 s), close the
+    client: what the push ended with, and seconds from the close to its end."""
+    outcome: list[Any] = []
+
+    def push() -> None:
+        try:
+            outcome.append(client.push(segment))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    pusher = threading.Thread(target=push, daemon=True)
+    pusher.start()
+    pusher.join(1.0)
+    assert pusher.is_alive() and outcome == []  # blocked on the peer
+    began = time.monotonic()
+    client.close()
+    pusher.join(30.0)
+    assert not pusher.is_alive(), outcome
+    return outcome, time.monotonic() - began
+
+
 def test_closing_a_client_aborts_a_push_to_a_peer_that_stopped_reading(net: Net) -> None:
     """A peer that stops reading mid-push (a frozen host; here its server waits on its
     slot owner's lock) leaves the sender blocked until the client's timeout; closing the
@@ -745,23 +767,9 @@ def test_closing_a_client_aborts_a_push_to_a_peer_that_stopped_reading(net: Net)
     client = net.client(server, timeout=60.0)
     assert client.push(fill(net.a, 0, 1, random_data(10_000, 3))) == 1  # connected
     big = fill(net.a, 0, 2, random_data(64 << 20, 4))
-    outcome: list[BaseException | int] = []
-
-    def push() -> None:
-        try:
-            outcome.append(client.push(big))
-        except BaseException as exc:
-            outcome.append(exc)
-
     with net.b._lock:  # the server cannot take a replica slot: it stops reading
-        pusher = threading.Thread(target=push, daemon=True)
-        pusher.start()
-        pusher.join(1.0)
-        assert pusher.is_alive() and outcome == []  # blocked on the peer
-        began = time.monotonic()
-        client.close()
-        pusher.join(30.0)
-        assert not pusher.is_alive() and time.monotonic() - began < 30  # not the 60 s timeout
+        outcome, took = _close_during_push(client, big)
+    assert took < 30  # not the 60 s timeout
     assert len(outcome) == 1 and isinstance(outcome[0], ReplicationError), outcome
     assert client.push(fill(net.a, 0, 3, random_data(10_000, 5))) == 3  # a new connection
 
@@ -790,23 +798,9 @@ def test_closing_a_client_aborts_a_connection_to_a_frozen_peer(net: Net, peer: s
                 probe.close()
                 break
     client = Client(frozen.getsockname(), secret=SECRET, run_id=net.run_id, timeout=60.0)
-    outcome: list[BaseException | int | None] = []
-
-    def push() -> None:
-        try:
-            outcome.append(client.push(fill(net.a, 0, 1, random_data(10_000, 3))))
-        except BaseException as exc:
-            outcome.append(exc)
-
     try:
-        pusher = threading.Thread(target=push, daemon=True)
-        pusher.start()
-        pusher.join(1.0)
-        assert pusher.is_alive() and outcome == []  # waiting for the peer
-        began = time.monotonic()
-        client.close()
-        pusher.join(30.0)
-        assert not pusher.is_alive() and time.monotonic() - began < 5, outcome
+        outcome, took = _close_during_push(client, fill(net.a, 0, 1, random_data(10_000, 3)))
+        assert took < 5, outcome
         assert len(outcome) == 1 and isinstance(outcome[0], ReplicationError), outcome
     finally:
         for sock in [frozen, *queued]:
