@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+import psutil
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 from torch.distributed import DistStoreError
 from torch.distributed.elastic.agent.server import api as agent_api
@@ -75,6 +76,25 @@ logger = logging.getLogger(__name__)
 _EXIT_MEMBERS = _EXIT_BARRIER + _NUM_MEMBERS  # the hosts counted into torch's exit barrier
 _RESTARTING = _EXIT_BARRIER + "/gemini_restarting"  # the hosts of a round that restarted
 _ROUND_ATTEMPTS = 5  # rendezvous rounds whose set-up may time out before the run fails
+
+
+def _status(pid: int | None) -> str | None:
+    try:
+        return psutil.Process(pid).status() if pid is not None else None
+    except psutil.Error:
+        return None
+
+
+def _exited(pid: int | None) -> bool:
+    """Whether a worker process has exited (a zombie until torch reaps it)."""
+    return pid is not None and _status(pid) in (None, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
+def _running(pid: int | None) -> bool:
+    """Whether a worker process runs: not exited, not stopped (a hung worker SIGSTOPped
+    writes nothing more)."""
+    return _status(pid) not in (None, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD,
+                                psutil.STATUS_STOPPED)
 
 
 class _NotNeeded(Exception):  # noqa: N818 (a control-flow signal, not an error)
@@ -217,12 +237,21 @@ class Restores(Protocol):
 
     def committed(self) -> int: ...
 
+    def copying(self, ranks: Iterable[int]) -> set[tuple[int, str]]: ...
+
 
 #: How long a host whose workers failed waits for the other members' reports of the same
 #: round before it counts the failure toward giving up: when another member's workers
 #: were killed from outside, this host's workers died of that (their collectives broke),
 #: and the failure is as transient as the kill.
 GUARD_GRACE = 1.0
+
+#: How long the workers of a round that ends may go on writing the saves they are in
+#: before they are stopped: a survivor of a peer's crash is often in the copy of the step
+#: the crashed rank committed last (or, with a copy slower than a step, of the one
+#: before), and a step is restorable only once every rank has it. A copy takes a fraction
+#: of a step, so the wait is shorter than the work it keeps.
+COPY_GRACE = 5.0
 
 
 class _MonitorClock:
@@ -281,6 +310,7 @@ class GeminiAgent(LocalElasticAgent):
         self._worker_store: TCPStore | None = None
         self._round_store: Store | None = None
         self._reported_failure = False
+        self._copies_waited = False  # this round's saves in flight were waited for
         self._last_failure: RunResult | None = None
         self._spare_noted = False
         self._stopping: Future[None] | None = None  # see _stop_while_rejoining
@@ -546,7 +576,7 @@ class GeminiAgent(LocalElasticAgent):
         self._stopped()
         for service in self._services:
             service.before_start(worker_group, self._round_store)
-        self._reported_failure = False
+        self._reported_failure = self._copies_waited = False
         try:
             pids = super()._start_workers(worker_group)
         except OSError as exc:
@@ -573,14 +603,37 @@ class GeminiAgent(LocalElasticAgent):
         return dict(pids)
 
     def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        self._let_copies_commit(worker_group)
         super()._stop_workers(worker_group)
         self._events.write("stop", round=self._round)
         for service in self._services:
             service.after_stop(worker_group)
 
+    def _let_copies_commit(self, worker_group: WorkerGroup) -> None:
+        """Wait (at most :data:`COPY_GRACE`) until the saves that this host's running
+        workers are writing are committed: stopped in the middle, a save's step is lost
+        on that rank. Once per round: torch stops the workers as soon as one has failed,
+        and before that the agent waits here."""
+        if self._restores is None or self._copies_waited:
+            return
+        self._copies_waited = True
+        began = time.monotonic()
+        pids = {w.global_rank: w.id for w in worker_group.workers}
+        pending = self._restores.copying(rank for rank, pid in pids.items() if _running(pid))
+        while pending and time.monotonic() < began + COPY_GRACE:
+            time.sleep(0.005)
+            pending &= self._restores.copying(rank for rank, _ in pending
+                                              if _running(pids[rank]))
+        if pending or time.monotonic() - began > 0.01:
+            self._events.write("copies_waited", round=self._round,
+                               seconds=round(time.monotonic() - began, 3),
+                               unfinished=sorted({rank for rank, _ in pending}))
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         for service in self._services:
             service.check()
+        if any(_exited(w.id) for w in worker_group.workers):
+            self._let_copies_commit(worker_group)  # before torch stops the others
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and (
             not self._reported_failure

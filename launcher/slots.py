@@ -433,6 +433,14 @@ class SlotOwner:
                 steps[rank] = max((h.step for h in headers if memory.committed(h)), default=None)
             return steps
 
+    def copying(self, ranks: Iterable[int]) -> set[tuple[int, str]]:
+        """(rank, slot name) of each own slot of ``ranks`` a save is being written into (a
+        slot in WRITING: a round's start empties those a dead writer left)."""
+        with self._lock:
+            return {(rank, seg.name) for rank in ranks for seg in self._slots.get(rank, [])
+                    if seg is not None and (header := memory.read_header(seg.view)) is not None
+                    and header.state is memory.SlotState.WRITING}
+
     # -- recovery -------------------------------------------------------------------------
     def holdings(self, ranks: Iterable[int] | None, world_size: int, *,
                  replica: bool = False) -> dict[int, list[int]]:

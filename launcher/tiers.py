@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -110,6 +110,10 @@ class MemoryService:
         """The newest step any of this host's ranks committed (-1: none)."""
         return max((step for step in self.owner.newest_steps().values() if step is not None),
                    default=-1)
+
+    def copying(self, ranks: Iterable[int]) -> set[tuple[int, str]]:
+        """(rank, slot) of each save of ``ranks`` being written here (``SlotOwner.copying``)."""
+        return self.owner.copying(ranks)
 
     def _arrival(self, rank: int) -> int | None:
         """Wait until ``rank``'s restore step is in this host's memory (the slot server's

@@ -82,6 +82,19 @@ def test_a_restored_step_the_script_cannot_take_is_skipped_once(tmp_path: Path) 
     assert torch.equal(ours["rng"], theirs["rng"]) and ours["samples"] == theirs["samples"]
 
 
+def test_a_survivor_finishes_the_save_it_is_writing_before_it_is_stopped(
+        tmp_path: Path) -> None:
+    """Rank 0 dies right after committing step 6 while rank 1 is still writing its copy
+    of 6 (a second): rank 1 is stopped only once that copy is committed, so the next
+    round restores step 6, not 5."""
+    done = run(_gemini(tmp_path, "--kill", "0:6:step", "--slow-copy", "1:6:1"),
+               env=env_with(tmp_path), timeout=240)
+    assert done.returncode == 0, done.output[-4000:]
+    assert _starts(done.stdout) == [(0, 0), (1, 7)], done.output[-4000:]
+    waited = [e for e in events(tmp_path / "runs") if e["event"] == "copies_waited"]
+    assert waited and waited[0]["unfinished"] == [], waited
+
+
 def test_workers_killed_from_outside_never_count(tmp_path: Path) -> None:
     """A worker SIGKILLed four times at the same step, nothing committed in between:
     each is a transient fault, so the run restarts every time and finishes."""

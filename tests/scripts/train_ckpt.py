@@ -65,6 +65,9 @@ p.add_argument("--loader-jitter", type=float, default=0.0, metavar="SECONDS",
 p.add_argument("--pause-every", default="", metavar="N:SECONDS",
                help="after every N-th step, pause SECONDS without an optimizer step: an "
                "evaluation")
+p.add_argument("--slow-copy", default="", metavar="RANK:STEP:SECONDS",
+               help="rank RANK's save of STEP waits SECONDS before copying, its slot in "
+               "WRITING: a copy still in flight when a peer fails")
 p.add_argument("--report-slots", action="store_true",
                help="rank 0 prints the bytes of the last step in the host's own slots "
                "(every rank's) and the bytes of one model and optimizer state")
@@ -121,6 +124,17 @@ for spec in args.kill:
     kills.append((int(parts[0]), int(parts[1]), parts[2], int(parts[3]) if len(parts) > 3 else 0))
 
 
+slow = args.slow_copy.split(":") if args.slow_copy else None
+if slow and int(slow[0]) == rank:
+    slow_copy = copier.CopyWorker.copy_all
+
+    def copy_slowly(self, *copy_args):
+        if saving == int(slow[1]):
+            time.sleep(float(slow[2]))
+        return slow_copy(self, *copy_args)
+
+    copier.CopyWorker.copy_all = copy_slowly
+
 copy_kill_steps = {k_step for k_rank, k_step, when, k_attempt in kills
                    if (k_rank, when, k_attempt) == (rank, "copy", attempt)}
 if copy_kill_steps:
@@ -172,6 +186,7 @@ for step in range(start, args.steps):
         extra["grown"] = torch.ones(int(args.grow_at.split(":")[1]) << 18)
     if copy_kill_steps:
         arm(step)
+    saving = step
     ckpt.save(step)
     if any((rank, step, when, attempt) in kills for when in ("step", "flip", "stop")):
         ckpt.wait()
