@@ -33,3 +33,7 @@ ENV_SHM_PRIVATE_DIR = "GEMINI_SHM_PRIVATE_DIR"
 its segments in (``launcher.slots.SlotOwner`` sets it): its workers use this one, checked,
 and never resolve or create one of their own (a name taken or freed meanwhile by another
 user would otherwise send them elsewhere)."""
+RAISED_DIR = "raised"
+"""The folder in the run's directory where a worker that dies of its own uncaught error
+leaves a file named after its pid before it exits: stopped by torch (SIGTERM) before it
+has exited, it still counts as failing on its own (``launcher.rounds``)."""

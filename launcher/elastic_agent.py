@@ -52,6 +52,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 from torch.distributed.elastic.utils import store as store_util
 from torch.distributed.elastic.utils.store import _NUM_MEMBERS
 
+from launcher.contract import RAISED_DIR
 from launcher.errors import ConfigError
 from launcher.events import EventLog, report_dead
 from launcher.rounds import (
@@ -650,13 +651,26 @@ class GeminiAgent(LocalElasticAgent):
             # error: if its supervisor is gone, every host learns it now.
             report_dead(self._events, self._declare_dead(self._members - {self._host_id}),
                         round=self._round)
-            signature = failure_signature({rank: (f.exitcode, f.message)
-                                           for rank, f in result.failures.items()})
+            signature = failure_signature(self._exit_codes(result))
             self._guard(signature)
             self._after_failure(worker_group, transient=signature is None)
         return result
 
     # -- the no-progress guard (``launcher.rounds.guard_failure``) -----------------------
+    def _exit_codes(self, result: RunResult) -> dict[int, tuple[int, Any]]:
+        """Each failed rank's exit code and message; a rank that died of its own error
+        (``contract.RAISED_DIR``) but was ended by a signal first (torch's SIGTERM once a
+        peer it broke died first, an abort in its teardown) as if it had exited with 1."""
+        folder = self._events.path.parent / RAISED_DIR
+        codes: dict[int, tuple[int, Any]] = {}
+        for rank, failure in result.failures.items():
+            marker = folder / str(failure.pid)
+            raised = marker.exists()
+            marker.unlink(missing_ok=True)
+            codes[rank] = (1, "") if raised and failure.exitcode < 0 else (
+                failure.exitcode, failure.message)
+        return codes
+
     def _guard(self, signature: Signature | None) -> None:
         """Count this failure toward ``--max-same-failures``; give up (no restarts left,
         :attr:`gave_up` says why) or restore the next older step in the next round."""
@@ -679,7 +693,8 @@ class GeminiAgent(LocalElasticAgent):
             self._events.write("avoid_step", round=self._round, step=restored)
         elif verdict is Guard.GIVE_UP:
             last = sorted(history.signature or ())[0]
-            self.gave_up = (f"the workers failed {history.same} times in a row the same way "
+            times = "once" if history.same == 1 else f"{history.same} times in a row"
+            self.gave_up = (f"the workers failed {times} the same way "
                             f"(rank {last[0]}, exit code {last[1]}"
                             f"{': ' + last[2] if last[2] else ''}) "
                             f"without completing a step after step {history.high_water}")

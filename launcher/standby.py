@@ -30,7 +30,7 @@ import zipfile
 from collections.abc import Callable
 from typing import Any
 
-from launcher.contract import ENV_RUN_DIR
+from launcher.contract import ENV_RUN_DIR, RAISED_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +282,8 @@ def _run(job: dict[str, Any]) -> None:
         while tb is not None and tb.tb_frame.f_code.co_filename == this_file:
             tb = tb.tb_next
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        if not isinstance(exc, KeyboardInterrupt):
+            _note_raised()
         if isinstance(exc, KeyboardInterrupt):  # python dies of SIGINT, after atexit
             import atexit
 
@@ -290,6 +292,17 @@ def _run(job: dict[str, Any]) -> None:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
         sys.exit(1)
+
+
+def _note_raised() -> None:
+    """Leave word that this worker dies of its own error (``contract.RAISED_DIR``)."""
+    run_dir = os.environ.get(ENV_RUN_DIR, "")
+    if run_dir:
+        with contextlib.suppress(OSError):
+            folder = os.path.join(run_dir, RAISED_DIR)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            os.close(os.open(os.path.join(folder, str(os.getpid())),
+                             os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
 
 
 def show_command(argv: list[str]) -> bool:

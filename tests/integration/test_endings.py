@@ -95,6 +95,20 @@ def test_a_survivor_finishes_the_save_it_is_writing_before_it_is_stopped(
     assert waited and waited[0]["unfinished"] == [], waited
 
 
+def test_a_worker_stopped_while_it_dies_of_its_own_error_counts_as_failing(
+        tmp_path: Path) -> None:
+    """Rank 0 raises and is stopped by torch in its teardown, once rank 1 (broken by it)
+    has exited first: the guard counts rank 0's error, not a stop."""
+    done = run([*GEMINI, "run", "--nproc-per-node", "2", "--max-restarts", "3",
+                "--max-same-failures", "1", str(SCRIPTS / "fail_in_teardown.py")],
+               env=env_with(tmp_path), timeout=120)
+    assert done.returncode == 7, done.output[-3000:]
+    exits = [e for e in events(tmp_path / "runs") if e["event"] == "worker_exit"]
+    assert [(f["rank"], f["exitcode"]) for f in exits[0]["failures"]] == [(1, 3), (0, -15)]
+    assert "(rank 0, exit code 1)" in done.stderr, done.stderr[-3000:]
+    assert not list((tmp_path / "runs").glob("*/raised/*"))
+
+
 def test_workers_killed_from_outside_never_count(tmp_path: Path) -> None:
     """A worker SIGKILLed four times at the same step, nothing committed in between:
     each is a transient fault, so the run restarts every time and finishes."""
