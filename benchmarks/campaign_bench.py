@@ -82,6 +82,7 @@ stop training).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -588,21 +589,25 @@ def campaign(job: Job, faults: list[tuple[float, str]], seconds: float, seed: in
     finally:  # an interrupted campaign leaves no process behind
         job.close()
     ettr, step, steps = log_ettr(lines, began, ended)
-    _each_fault(job.name, lines, injected, began)
+    _each_fault(job.name, lines, injected, began, step)
     _where_it_went(job.name, lines, [at for at, _ in injected], began, step, live)
     return {"ettr": ettr, "step": step, "steps": steps, "faults": done,
             "postponed": postponed, "wall": ended - began, "live": live}
 
 
 def _each_fault(name: str, lines: list[tuple[float, int, int]],
-                injected: list[tuple[float, str]], began: float) -> None:
-    """What each fault cost (until the next step, and the steps redone), on stderr."""
+                injected: list[tuple[float, str]], began: float, median: float) -> None:
+    """What each fault cost (until the next step, the steps redone, and how much longer
+    than the median each of the next eight steps took), on stderr."""
     for at, kind in injected:
         before = max((s for t, s, _ in lines if t <= at), default=-1)
+        after = [t for t, _, _ in lines if t > at][:9]
         resumed = next(((t, s) for t, s, _ in lines if t > at), None)
         if resumed is not None:
+            slower = " ".join(f"{b - a - median:+.2f}" for a, b in itertools.pairwise(after))
             print(f"  {name}: {kind} at +{at - began:.0f} s: next step {resumed[0] - at:.1f} s "
-                  f"later, {max(0, before - resumed[1] + 1)} steps redone", file=sys.stderr)
+                  f"later, {max(0, before - resumed[1] + 1)} steps redone; the next steps "
+                  f"beyond the median: {slower}", file=sys.stderr)
 
 
 def _where_it_went(name: str, lines: list[tuple[float, int, int]], faults: list[float],
