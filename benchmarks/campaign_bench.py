@@ -601,12 +601,12 @@ def _each_fault(name: str, lines: list[tuple[float, int, int]],
     than the median each of the next eight steps took), on stderr."""
     for at, kind in injected:
         before = max((s for t, s, _ in lines if t <= at), default=-1)
-        after = [t for t, _, _ in lines if t > at][:9]
-        resumed = next(((t, s) for t, s, _ in lines if t > at), None)
-        if resumed is not None:
-            slower = " ".join(f"{b - a - median:+.2f}" for a, b in itertools.pairwise(after))
-            print(f"  {name}: {kind} at +{at - began:.0f} s: next step {resumed[0] - at:.1f} s "
-                  f"later, {max(0, before - resumed[1] + 1)} steps redone; the next steps "
+        after = [(t, s) for t, s, _ in lines if t > at][:9]
+        if after:
+            slower = " ".join(f"{b - a - median:+.2f}"
+                              for (a, _), (b, _) in itertools.pairwise(after))
+            print(f"  {name}: {kind} at +{at - began:.0f} s: next step {after[0][0] - at:.1f} s "
+                  f"later, {max(0, before - after[0][1] + 1)} steps redone; the next steps "
                   f"beyond the median: {slower}", file=sys.stderr)
 
 

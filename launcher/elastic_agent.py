@@ -633,7 +633,7 @@ class GeminiAgent(LocalElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         for service in self._services:
             service.check()
-        if any(_exited(w.id) for w in worker_group.workers):
+        if not self._copies_waited and any(_exited(w.id) for w in worker_group.workers):
             self._let_copies_commit(worker_group)  # before torch stops the others
         result: RunResult = super()._monitor_workers(worker_group)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and (

@@ -282,8 +282,6 @@ def _run(job: dict[str, Any]) -> None:
         while tb is not None and tb.tb_frame.f_code.co_filename == this_file:
             tb = tb.tb_next
         sys.excepthook(type(exc), exc.with_traceback(tb), tb)
-        if not isinstance(exc, KeyboardInterrupt):
-            _note_raised()
         if isinstance(exc, KeyboardInterrupt):  # python dies of SIGINT, after atexit
             import atexit
 
@@ -291,6 +289,7 @@ def _run(job: dict[str, Any]) -> None:
             sys.stdout.flush()
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)
+        _note_raised()
         sys.exit(1)
 
 
