@@ -10,6 +10,7 @@ next step from memory, mid-epoch, without ``resume_from_checkpoint``.
 """
 
 import argparse
+import gc
 import tempfile
 
 import torch
@@ -46,8 +47,12 @@ def main() -> None:
     trainer = gemini_trainer(Trainer(model=model, args=training, train_dataset=Sequences()))
     trainer.train()
     # The Trainer leaves the process group to the interpreter's exit, where gloo can abort
-    # the process ("terminate called without an active exception"), under torchrun too.
-    trainer.accelerator.end_training()
+    # the process ("terminate called without an active exception"), under torchrun too;
+    # the DDP model must go first.
+    accelerator = trainer.accelerator
+    del trainer, model
+    gc.collect()
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

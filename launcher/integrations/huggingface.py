@@ -111,9 +111,13 @@ class TrainerCheckpoints:
         train = trainer.train
 
         def train_from_memory(resume_from_checkpoint: Any = None, *a: Any, **kw: Any) -> Any:
+            self._snapshot.trainer = trainer
             if resume_from_checkpoint is None:
                 resume_from_checkpoint = self.resume_directory(trainer)
-            return train(resume_from_checkpoint, *a, **kw)
+            try:
+                return train(resume_from_checkpoint, *a, **kw)
+            finally:  # the Checkpointer lives until exit: it must not keep the DDP model
+                self._snapshot.trainer = self._snapshot.optimizer = None  # past the group
 
         def save_after_step(*a: Any, **kw: Any) -> None:
             after_step(*a, **kw)
