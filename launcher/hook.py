@@ -175,19 +175,6 @@ def _members(obj: Any) -> list[Any]:
     return found
 
 
-def _has_tensors(tree: Any) -> bool:
-    stack = [tree]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            return True
-        if isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return False
-
-
 def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None))
@@ -491,21 +478,21 @@ class Checkpointer:
         storages: set[int] | None = None
 
         def is_guarded(tensor: torch.Tensor) -> bool:
-            nonlocal storages
+            nonlocal guarded, ids, storages
+            if guarded is None:
+                guarded = self._guarded()
+                ids = {id(t) for t in guarded}
             if id(tensor) in ids:
                 return True
             if tensor.nbytes < _CLONE_BELOW:
                 return False  # copied at once: cheaper than looking up its storage
             if storages is None:
-                storages = {_storage(t) for t in guarded or ()}
+                storages = {_storage(t) for t in guarded}
             return _storage(tensor) in storages
 
         for key, value in self.extra.items():
             tree = value.state_dict() if _stateful(value) else value
-            if guarded is None and _has_tensors(tree):
-                guarded = self._guarded()
-                ids = {id(t) for t in guarded}
-            extra[key] = clone_tensors(tree, keep=is_guarded if guarded else None)
+            extra[key] = clone_tensors(tree, keep=is_guarded)
         state["extra"] = extra
         return state
 

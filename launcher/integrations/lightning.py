@@ -91,6 +91,8 @@ _PICKLED = "__gemini_pickled__"
 _REST = "__gemini_rest__"  # the checkpoint's parts other than _TENSOR_PARTS, pickled
 _NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 _LEAVES = frozenset({type(None), bool, int, float, str, bytes, torch.dtype})
+# Annotations of dataclass fields that hold a leaf (Lightning's progress counters).
+_PLAIN = frozenset({bool, int, float, str, "bool", "int", "float", "str"})
 
 
 class _LightningSnapshot:
@@ -155,21 +157,31 @@ def _module_weights(trainer: Any) -> Callable[[], dict[str, Any]]:
 
 class _LoopStates:
     """The Trainer's loops' state dict (``_CheckpointConnector._get_loops_state_dict``),
-    built as Lightning builds it, with each progress dataclass read field by field where
-    Lightning's ``dataclasses.asdict`` deep-copies every value: most of the time
-    ``dump_checkpoint`` takes. Used only where it gave exactly Lightning's dict at the
-    first save (:meth:`checked`); a loop or progress class that overrides ``state_dict``
-    is asked for its own."""
+    built as Lightning builds it, where Lightning's ``dataclasses.asdict`` deep-copies
+    every value of every progress dataclass and its walk tests every attribute of every
+    loop: most of the time ``dump_checkpoint`` takes. Here each loop's progress and
+    sub-loop attributes are found once (again if its attributes change), a progress
+    dataclass is read as a copy of its ``__dict__``, and the fit loop's own state asks
+    whether a data loader is resumable once per loader. Used only where it gave exactly
+    Lightning's dict at the first save (:meth:`checked`); a loop or progress class that
+    overrides ``state_dict`` is asked for its own."""
 
     _NAMES = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
 
     def __init__(self, trainer: Any) -> None:
-        package = _lightning()
+        name = _lightning().__name__
         self.trainer = trainer
-        self.loop = importlib.import_module(package.__name__ + ".loops.loop")._Loop
-        self.progress = importlib.import_module(
-            package.__name__ + ".loops.progress")._BaseProgress
-        self.fields: dict[type, tuple[str, ...]] = {}
+        self.loop = importlib.import_module(name + ".loops.loop")._Loop
+        self.progress = importlib.import_module(name + ".loops.progress")._BaseProgress
+        self.fit_state = importlib.import_module(name + ".loops.fit_loop")._FitLoop.on_save_checkpoint
+        self.resumable = importlib.import_module(name + ".utilities.combined_loader")._Stateful
+        # per loop, by id: the loop (kept alive), its attribute count, the names of its
+        # progress attributes and of its sub-loops
+        self.shapes: dict[int, tuple[Any, int, tuple[str, ...], tuple[str, ...]]] = {}
+        # per dataclass: its field count, the names of the fields not annotated as numbers
+        # or strings
+        self.classes: dict[type, tuple[int, tuple[str, ...]]] = {}
+        self.loaders: dict[int, tuple[Any, bool]] = {}  # per loader, by id: resumable?
 
     @classmethod
     def checked(cls, trainer: Any) -> Callable[[], dict[str, Any]]:
@@ -191,13 +203,39 @@ class _LoopStates:
         if type(loop).state_dict is not self.loop.state_dict:
             loop.state_dict(into, prefix)
             return into
-        into[prefix + "state_dict"] = loop.on_save_checkpoint()
-        for key, value in loop.__dict__.items():
-            if isinstance(value, self.progress):
-                into[prefix + key] = self._progress(value)
-            elif isinstance(value, self.loop):
-                self._loop(value, into, prefix + key + ".")
+        shape = self.shapes.get(id(loop))
+        if shape is None or shape[0] is not loop or shape[1] != len(loop.__dict__):
+            attributes = loop.__dict__
+            shape = self.shapes[id(loop)] = (
+                loop, len(attributes),
+                tuple(k for k, v in attributes.items() if isinstance(v, self.progress)),
+                tuple(k for k, v in attributes.items() if isinstance(v, self.loop)))
+        _, _, progresses, children = shape
+        into[prefix + "state_dict"] = (self._fit_state(loop)
+                                       if type(loop).on_save_checkpoint is self.fit_state
+                                       else loop.on_save_checkpoint())
+        for key in progresses:
+            into[prefix + key] = self._progress(getattr(loop, key))
+        for key in children:
+            self._loop(getattr(loop, key), into, prefix + key + ".")
         return into
+
+    def _fit_state(self, loop: Any) -> dict[str, Any]:
+        """``_FitLoop.on_save_checkpoint``: the resumable train data loaders' states."""
+        state: dict[str, Any] = {}
+        combined = loop._combined_loader
+        if combined is not None:
+            states = [loader.state_dict() for loader in combined.flattened
+                      if self._resumable(loader)]
+            if states:
+                state["combined_loader"] = states
+        return state
+
+    def _resumable(self, loader: Any) -> bool:
+        known = self.loaders.get(id(loader))
+        if known is None or known[0] is not loader:
+            known = self.loaders[id(loader)] = (loader, isinstance(loader, self.resumable))
+        return known[1]
 
     def _progress(self, progress: Any) -> Any:
         kind = type(progress)
@@ -210,13 +248,22 @@ class _LoopStates:
         kind = type(value)
         if kind in _LEAVES:
             return value
-        names = self.fields.get(kind)
-        if names is None:
+        plan = self.classes.get(kind)
+        if plan is None:
             if not dataclasses.is_dataclass(value):
                 return copy.deepcopy(value)
-            names = self.fields[kind] = tuple(f.name for f in dataclasses.fields(value))
-        return {name: field if type(field := getattr(value, name)) in _LEAVES
-                else self._fields(field) for name in names}
+            fields = dataclasses.fields(value)
+            plan = self.classes[kind] = (
+                len(fields), tuple(f.name for f in fields if f.type not in _PLAIN))
+        count, nested = plan
+        state = dict(getattr(value, "__dict__", ()))
+        if len(state) != count:  # slots, or attributes besides the fields
+            state = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+            nested = tuple(state)
+        for name in nested:
+            if type(field := state[name]) not in _LEAVES:
+                state[name] = self._fields(field)
+        return state
 
 
 class _Checkpoints:

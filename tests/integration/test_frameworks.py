@@ -5,7 +5,9 @@ worker is killed mid-run and the run resumes from memory."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -122,18 +124,16 @@ def test_a_lightning_trainer_resumes_from_memory(tmp_path: Path) -> None:
             assert torch.equal(got["weights"][key], tensor), (step, key)
 
 
-def test_lightning_loop_states_and_weights_are_read_as_lightning_reads_them() -> None:
-    """The integration reads the loops' progress field by field (``_LoopStates``) and the
-    module's state dict with ``model_state`` (``_module_weights``): at every step of a
-    real fit, with a validation every 2 steps, a scheduler and a batch norm's buffers,
-    both dicts equal Lightning's own, and the fast readers are the ones in use (a fallback
-    to Lightning's slower ones would pass every resume test unseen); a module with its own
-    ``state_dict`` is read Lightning's way."""
+def _lightning_fit(loader: type | None = None, own_state_dict: bool = False,
+                   check: Callable[..., bool] | None = None) -> list[bool]:
+    """Fit a small LightningModule for 6 steps, with a validation every 2 steps, a
+    scheduler and a batch norm's buffers (its train data in a ``loader`` DataLoader class,
+    its own ``state_dict`` if asked); ``check(trainer, kept)`` (by default
+    :func:`_read_as_lightning_reads`) at the end of every batch: what it said."""
     import lightning.pytorch as pl
 
-    from launcher.integrations.lightning import _LoopStates, _module_weights
-
     seen: list[bool] = []
+    kept: list[Any] = []  # one loop-state reader for the whole fit: its plans are kept
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -151,42 +151,76 @@ def test_lightning_loop_states_and_weights_are_read_as_lightning_reads_them() ->
             optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
             return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 2)]
 
-        def _loader(self) -> torch.utils.data.DataLoader:
+        def val_dataloader(self) -> torch.utils.data.DataLoader:
             data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
             return torch.utils.data.DataLoader(data, batch_size=4)
 
-        train_dataloader = val_dataloader = _loader
+        def train_dataloader(self) -> torch.utils.data.DataLoader:
+            data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+            return (loader or torch.utils.data.DataLoader)(data, batch_size=4)
+
+        if own_state_dict:
+            def state_dict(self, *args: object, **kwargs: object) -> dict:
+                return {"only": torch.zeros(1)}
 
     class Compare(pl.Callback):
         def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-            connector = trainer._checkpoint_connector
-            fast = _LoopStates.checked(trainer)
-            weights, own = _module_weights(trainer)(), connector._get_lightning_module_state_dict()
-            seen.append(isinstance(fast, _LoopStates)
-                        and fast() == connector._get_loops_state_dict()
-                        and list(weights) == list(own)
-                        and all(torch.equal(weights[k], own[k]) for k in own)
-                        and weights["net.0.weight"] is trainer.lightning_module.net[0].weight)
+            seen.append((check or _read_as_lightning_reads)(trainer, kept))
 
-    def fit(model: pl.LightningModule, *callbacks: pl.Callback) -> None:
-        pl.Trainer(max_steps=6, val_check_interval=2, callbacks=list(callbacks),
-                   accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                   enable_progress_bar=False, enable_model_summary=False).fit(model)
+    pl.Trainer(max_steps=6, val_check_interval=2, callbacks=[Compare()], accelerator="cpu",
+               devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False).fit(Model())
+    return seen
 
-    fit(Model(), Compare())
-    assert seen == [True] * 6
 
-    class OwnStateDict(Model):
-        def state_dict(self, *args: object, **kwargs: object) -> dict:
-            return {"only": torch.zeros(1)}
+def _read_as_lightning_reads(trainer: Any, kept: list[Any]) -> bool:
+    """Whether the fast readers are in use and give what Lightning gives: the loops'
+    states (one reader, kept in ``kept``, for the whole fit) and the module's weights (its
+    parameters themselves)."""
+    from launcher.integrations.lightning import _LoopStates, _module_weights
 
-    class Fallback(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
-            seen.append(list(_module_weights(trainer)()) == ["only"])
+    connector = trainer._checkpoint_connector
+    if not kept:
+        kept.append(_LoopStates.checked(trainer))
+    weights, own = _module_weights(trainer)(), connector._get_lightning_module_state_dict()
+    return (isinstance(kept[0], _LoopStates)
+            and kept[0]() == connector._get_loops_state_dict()
+            and list(weights) == list(own)
+            and all(torch.equal(weights[k], own[k]) for k in own)
+            and weights["net.0.weight"] is trainer.lightning_module.net[0].weight)
 
-    seen.clear()
-    fit(OwnStateDict(), Fallback())
-    assert seen == [True] * 6
+
+def test_lightning_loop_states_and_weights_are_read_as_lightning_reads_them() -> None:
+    """The integration reads the loops' progress its own way (``_LoopStates``) and the
+    module's state dict with ``model_state`` (``_module_weights``): at every step of a
+    real fit both dicts equal Lightning's own, and the fast readers are the ones in use
+    (a fallback to Lightning's slower ones would pass every resume test unseen); a module
+    with its own ``state_dict`` is read Lightning's way."""
+    from launcher.integrations.lightning import _module_weights
+
+    assert _lightning_fit() == [True] * 6
+    assert _lightning_fit(own_state_dict=True, check=lambda trainer, _: list(
+        _module_weights(trainer)()) == ["only"]) == [True] * 6
+
+
+def test_a_resumable_train_loaders_state_is_in_the_fit_loops_as_in_lightnings() -> None:
+    """A train loader with ``state_dict`` and ``load_state_dict`` (which Lightning resumes
+    itself): its state is in the fit loop's state the fast reader gives, equal to
+    Lightning's."""
+    import torch.utils.data
+
+    from launcher.integrations.lightning import _LoopStates
+
+    class Resumable(torch.utils.data.DataLoader):
+        def state_dict(self) -> dict:
+            return {"position": 3}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    assert _lightning_fit(Resumable) == [True] * 6
+    assert _lightning_fit(Resumable, check=lambda trainer, _: _LoopStates.checked(trainer)()[
+        "fit_loop"]["state_dict"]["combined_loader"] == [{"position": 3}]) == [True] * 6
 
 
 def test_a_lightning_checkpoints_tensorless_parts_are_one_pickle() -> None:
