@@ -24,7 +24,9 @@ pass to ``dcp.save``) is such an object and may stand in for ``model`` and
 parameters or optimizer states (of the optimizers passed, among the ``extra`` values,
 or held by them) are copied in the background like the model's, since those optimizers'
 steps wait for the copy; its other tensors are copied at ``save``. DTensors (FSDP2's
-``get_state_dict``) are rebuilt on the meshes of the live state.
+``get_state_dict``) are rebuilt on the meshes of the live state. Where an app state's
+dict is exactly its model's and optimizer's state, most saves build it from them
+(``launcher.state_dicts.AppStateReader``) instead of calling ``state_dict()``.
 
 The state-tree codec (``launcher.codec``), the copy engine (``launcher.copier``) and the
 restart prefetch (``launcher.prefetch``) are modules of their own; the hook shares only
@@ -83,51 +85,13 @@ from launcher.copier import (
     slot_bytes,
 )
 from launcher.errors import CheckpointError, StorageError
+from launcher.state_dicts import AppStateReader, model_state
 from launcher.stragglers import PaceClock
 
 logger = logging.getLogger(__name__)
 
 
 _warned_inactive = False
-
-
-_MODULE = torch.nn.Module
-
-
-def model_state(model: torch.nn.Module) -> dict[str, Any]:
-    """``model.state_dict(keep_vars=True)`` with its tensors that are not parameters (buffers)
-    cloned: parameters change only in the optimizer step, which waits for the copy;
-    buffers (batch-norm statistics, ...) change in forward, so they are copied now.
-
-    Where no module customises its state dict (hooks, overrides, extra state), it is read
-    straight from the modules' parameters and buffers, in the order ``Module.state_dict``
-    uses: the same keys and tensors, without torch's recursive calls and their hooks'
-    bookkeeping, which are paid at every save."""
-    state: dict[str, Any] = {}
-    stack: list[tuple[str, torch.nn.Module]] = [("", model)]
-    while stack:
-        prefix, module = stack.pop()
-        kind, own = type(module), module.__dict__
-        if (kind.state_dict is not _MODULE.state_dict
-                or kind._save_to_state_dict is not _MODULE._save_to_state_dict
-                or kind.get_extra_state is not _MODULE.get_extra_state
-                or module._state_dict_pre_hooks or module._state_dict_hooks
-                or "state_dict" in own or "_save_to_state_dict" in own):
-            state = dict(model.state_dict(keep_vars=True))  # torch's own walk
-            break
-        for name, param in module._parameters.items():
-            if param is not None:
-                state[prefix + name] = param
-        skip = module._non_persistent_buffers_set
-        for name, buffer in module._buffers.items():
-            if buffer is not None and name not in skip:
-                state[prefix + name] = buffer
-        stack.extend(reversed([(f"{prefix}{name}.", child)
-                               for name, child in module._modules.items() if child is not None]))
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            state[key] = value.detach().clone()
-    return state
 
 
 def _after_first_step(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
@@ -201,6 +165,7 @@ class Checkpointer:
         self.model = model
         self.optimizer = optimizer
         self.extra: dict[str, Any] = extra if extra is not None else {}
+        self._readers: dict[str, AppStateReader] = {}  # per Stateful extra value
         self.replicated = replicated
         self.rank = int(os.environ.get("RANK", "0"))
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -491,10 +456,23 @@ class Checkpointer:
             return _storage(tensor) in storages
 
         for key, value in self.extra.items():
-            tree = value.state_dict() if _stateful(value) else value
+            tree = self._reader(key, value)() if _stateful(value) else value
             extra[key] = clone_tensors(tree, keep=is_guarded)
         state["extra"] = extra
         return state
+
+    def _reader(self, key: str, app: Any) -> AppStateReader:
+        """What reads the state dict of the Stateful ``extra[key]`` at each save: with the
+        model and the optimizer it holds, if it holds one of each."""
+        reader = self._readers.get(key)
+        if reader is None or reader.app is not app:
+            members = _members(app)
+            models = {id(m): m for m in members if isinstance(m, torch.nn.Module)}
+            optimizers = {id(o): o for o in members if isinstance(o, torch.optim.Optimizer)}
+            reader = self._readers[key] = AppStateReader(
+                app, *models.values() if len(models) == 1 else [None],
+                *optimizers.values() if len(optimizers) == 1 else [None])
+        return reader
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
         """The optimizers whose step must wait for a pending copy: ``optimizer``, those

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from launcher.hook import model_state
+from launcher.state_dicts import model_state
 
 
 class AcceleratorState:

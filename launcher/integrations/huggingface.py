@@ -44,7 +44,8 @@ from typing import Any
 
 import torch
 
-from launcher.hook import Checkpointer, model_state
+from launcher.hook import Checkpointer
+from launcher.state_dicts import model_state
 
 WEIGHTS = "pytorch_model.bin"
 OPTIMIZER = "optimizer.pt"

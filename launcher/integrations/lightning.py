@@ -76,7 +76,8 @@ from typing import Any, cast
 import torch
 
 from launcher import rng
-from launcher.hook import Checkpointer, model_state
+from launcher.hook import Checkpointer
+from launcher.state_dicts import model_state
 
 logger = logging.getLogger(__name__)
 
