@@ -30,13 +30,13 @@ from common import machine, table  # noqa: E402
 SCRIPTS = HERE.parent / "tests" / "scripts"
 FRAMEWORKS = {
     "transformers.Trainer (GPT-2, 4 layers x 256)": [
-        str(SCRIPTS / "train_hf.py"), "--steps", "40", "--n-embd", "256", "--n-layer", "4"],
+        str(SCRIPTS / "train_hf.py"), "--steps", "150", "--n-embd", "256", "--n-layer", "4"],
     "accelerate (MLP, width 4096)": [
-        str(SCRIPTS / "train_accelerate.py"), "--steps", "40", "--width", "4096"],
+        str(SCRIPTS / "train_accelerate.py"), "--steps", "150", "--width", "4096"],
     "Lightning Trainer (MLP, width 4096)": [
-        str(SCRIPTS / "train_lightning.py"), "--steps", "40", "--width", "4096"],
+        str(SCRIPTS / "train_lightning.py"), "--steps", "150", "--width", "4096"],
     "DCP Stateful app state (FSDP2 MLP, width 4096)": [
-        str(SCRIPTS / "train_fsdp.py"), "--steps", "40", "--width", "4096", "--app-state"],
+        str(SCRIPTS / "train_fsdp.py"), "--steps", "150", "--width", "4096", "--app-state"],
 }
 MODES = {
     "no checkpoint (torchrun)": ("torchrun", "none"),

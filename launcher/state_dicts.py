@@ -2,16 +2,18 @@
 cost: a module's state dict (:func:`model_state`) and a torch.distributed.checkpoint
 ``Stateful`` app state's (:class:`AppStateReader`).
 
-An app state's ``state_dict()`` is the user's code; in DCP's recipe (and torchtitan's) it
-is ``get_state_dict(model, optimizer)``, which maps every parameter to its fully
-qualified name and walks the model through its state-dict hooks at each call: about ten
-times what reading the model and optimizer directly costs. Where the app state's dict is
-exactly the state of a model and an optimizer it holds (checked value for value), the
-reader builds that dict from the model's parameters and the optimizer's own state dict,
-with the names mapped as ``get_state_dict`` maps them, and asks the app state itself
-again at the 1st, 2nd, 4th ... save and every :data:`RECHECK`: a dict that differs there
-makes it ask the app state at every save until a check finds them equal again. Any
-other app state is asked at every save (and compared only at those checks).
+An app state's ``state_dict()`` is the user's code; in DCP's recipe it is
+``get_state_dict(model, optimizer)``, which maps every parameter to its fully qualified
+name and walks the model through its state-dict hooks at each call: about ten times what
+reading the model and optimizer directly costs. Where the app state's dict is exactly the
+state of a model and an optimizer it holds (the same keys and plain values, and tensor
+for tensor their own memory), the reader builds that dict from the model's parameters
+and the optimizer's own state dict, with the names mapped as ``get_state_dict`` maps
+them, and asks the app state itself again at the 1st, 2nd, 4th ... save and every
+:data:`RECHECK`: a dict that differs there makes it ask the app state at every save
+until a check finds them the same again (so does a dict that can no longer be built: an
+optimizer that gained a parameter group). Any other app state is asked at every save
+(and compared only at those checks).
 """
 
 from __future__ import annotations
@@ -47,6 +49,16 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
     straight from the modules' parameters and buffers, in the order ``Module.state_dict``
     uses: the same keys and tensors, without torch's recursive calls and their hooks'
     bookkeeping, which are paid at every save."""
+    state = module_tensors(model)
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+            state[key] = value.detach().clone()
+    return state
+
+
+def module_tensors(model: torch.nn.Module) -> dict[str, Any]:
+    """``model.state_dict(keep_vars=True)``, read as :func:`model_state` reads it, nothing
+    cloned."""
     state: dict[str, Any] = {}
     stack: list[tuple[str, torch.nn.Module]] = [("", model)]
     while stack:
@@ -68,9 +80,6 @@ def model_state(model: torch.nn.Module) -> dict[str, Any]:
                 state[prefix + name] = buffer
         stack.extend(reversed([(f"{prefix}{name}.", child)
                                for name, child in module._modules.items() if child is not None]))
-    for key, value in state.items():
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-            state[key] = value.detach().clone()
     return state
 
 
@@ -88,59 +97,66 @@ class AppStateReader:
         calls = self.calls
         check = not calls & (calls - 1) or not calls % RECHECK
         if self.built is not None and not check:
-            return self.built()
+            try:
+                return self.built()
+            except Exception as exc:  # the optimizer changed its groups, say: the app's serves
+                logger.warning("gemini: the app state's dict cannot be built from its model "
+                               "and optimizer any more (%s); it is read at every save until "
+                               "they agree again", exc)
+                self.built = None
         tree = self.app.state_dict()
         if check:
             was = self.built is not None
             self.built = self._builder(tree)
             if was and self.built is None:
-                logger.warning("gemini: the app state's state_dict() no longer equals its "
+                logger.warning("gemini: the app state's state_dict() no longer holds just its "
                                "model's and optimizer's state; it is read at every save "
                                "until they agree again")
         return tree
 
     def _builder(self, tree: Any) -> Callable[[], dict[str, Any]] | None:
-        """A function that builds ``tree`` from the model and optimizer, if the one built
-        now equals it."""
+        """A function that builds ``tree`` from the model and optimizer, if the tree built
+        now from their live tensors is ``tree``: the same keys and plain values, and each
+        tensor the same memory as ``tree``'s."""
         if self.model is None or not isinstance(tree, dict):
             return None
-        parts: dict[str, Callable[[], Any]] = {}
+        parts: dict[str, Callable[[bool], Any]] = {}
         for key, part in tree.items():
             read = (self._optimizer_reader(part) if _is_optimizer_state(part)
                     else self._model_reader(part))
             if read is None:
                 return None
             parts[key] = read
-
-        def build() -> dict[str, Any]:
-            return {key: read() for key, read in parts.items()}
-
         try:
-            same = _equal(build(), tree)
+            same = _same({key: read(True) for key, read in parts.items()}, tree)
         except Exception as exc:  # a state the comparison does not know: the app's serves
             logger.debug("gemini: the app state is read at every save: %s", exc)
             return None
-        return build if same else None
+        if not same:
+            return None
+        return lambda: {key: read(False) for key, read in parts.items()}
 
-    def _model_reader(self, part: Any) -> Callable[[], Any] | None:
+    def _model_reader(self, part: Any) -> Callable[[bool], Any] | None:
+        """Reads the model's state (its live tensors, or with buffers cloned) under the
+        names in ``part``."""
         assert self.model is not None
         model = self.model
         if not isinstance(part, dict) or not all(isinstance(k, str) for k in part):
             return None
-        own = list(model_state(model))
+
+        def state(live: bool) -> dict[str, Any]:
+            return module_tensors(model) if live else model_state(model)
+
+        own = list(module_tensors(model))
         if set(own) == set(part):
-            return lambda: model_state(model)
+            return state
         names = {key: ".".join(a for a in key.split(".") if a not in _WRAPPERS) for key in own}
         if len(set(names.values())) != len(names) or set(names.values()) != set(part):
             return None
+        return lambda live: {names[key]: value for key, value in state(live).items()}
 
-        def read() -> dict[str, Any]:
-            state = model_state(model)
-            return {names[key]: value for key, value in state.items()}
-
-        return read
-
-    def _optimizer_reader(self, part: dict[str, Any]) -> Callable[[], Any] | None:
+    def _optimizer_reader(self, part: dict[str, Any]) -> Callable[[bool], Any] | None:
+        """Reads the optimizer's state dict with its parameters named as in ``part``."""
         optimizer = self.optimizer
         if optimizer is None:
             return None
@@ -155,7 +171,7 @@ class AppStateReader:
                 return None
             names.update(zip(group["params"], params, strict=True))
 
-        def read() -> dict[str, Any]:
+        def read(live: bool) -> dict[str, Any]:
             state = optimizer.state_dict()
             return {"state": {names[i]: value for i, value in state["state"].items()},
                     "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
@@ -168,9 +184,10 @@ def _is_optimizer_state(part: Any) -> bool:
     return isinstance(part, dict) and set(part) == {"state", "param_groups"}
 
 
-def _equal(a: Any, b: Any) -> bool:
-    """Whether two state trees hold the same structure and values (tensors: the same kind,
-    shape, dtype, placement and elements of the local shard)."""
+def _same(a: Any, b: Any) -> bool:
+    """Whether two state trees hold the same structure, equal plain values and the same
+    tensors: each pair the same memory (of the local shard, for DTensors on the same mesh
+    and placements), shape, strides and dtype."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
             return False
@@ -180,12 +197,13 @@ def _equal(a: Any, b: Any) -> bool:
                               or a.device_mesh != b.device_mesh):  # type: ignore[attr-defined]
             return False
         a, b = local_shard(a), local_shard(b)
-        return (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
-                and bool(torch.equal(a, b)))
+        return bool(a.data_ptr() == b.data_ptr() and a.shape == b.shape
+                    and a.stride() == b.stride() and a.dtype == b.dtype
+                    and a.device == b.device)
     if isinstance(a, dict) and isinstance(b, dict):  # an OrderedDict (torch's) too
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if type(a) is not type(b):
         return False
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)

@@ -154,10 +154,13 @@ def test_a_dcp_app_states_dict_is_built_from_its_model_and_optimizer(tmp_path: P
     """A DCP app state whose ``state_dict()`` is ``get_state_dict(model, optimizer)`` is
     asked at saves 1, 2, 4, ... 32 of 40 (FSDP2 with AdamW, DDP with SGD and momentum:
     the names without DDP's "module."); the reader builds the same dict from the model
-    and optimizer at every other step. An app state with more in it (a step count), or
-    two models, is asked at every save; one that gains a key at step 20 is read its own
-    way from the next check on (save 32), and what the reader gave in between lacked the
-    key: the window the documentation names."""
+    and optimizer at every other step. An app state with more in it (a step count), two
+    models, or copies of the model's tensors (equal values, other memory) is asked at
+    every save. When the optimizer gains a parameter group (step 10), the dict is read
+    from the app state from that save on, and built again after the next check (save
+    16). One that gains a key at step 20 is read its own way from the next check on
+    (save 32), and what the reader gave in between lacked the key: the window the
+    documentation names."""
     done = run([*TORCHRUN, "--standalone", "--nproc-per-node", "2",
                 str(SCRIPTS / "app_state_reader.py")], env=env_with(tmp_path), timeout=180)
     assert done.returncode == 0, done.output[-3000:]
@@ -167,7 +170,9 @@ def test_a_dcp_app_states_dict_is_built_from_its_model_and_optimizer(tmp_path: P
                      "counter": "built=False calls=40 unequal=",
                      "changing": "built=False calls=14 unequal=" + ",".join(
                          map(str, range(20, 31))),
-                     "two": "built=False calls=40 unequal="}, done.stdout
+                     "two": "built=False calls=40 unequal=",
+                     "copy": "built=False calls=40 unequal=",
+                     "grown": "built=True calls=11 unequal="}, done.stdout
 
 
 def test_hsdp_replicas_on_a_host_keep_one_copy_and_resume_bitwise(tmp_path: Path) -> None:

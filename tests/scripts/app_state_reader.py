@@ -7,6 +7,8 @@ over 40 training steps of each:
   counter   the recipe plus the step count: not the model's and optimizer's alone
   changing  the recipe until step 20, then with a "step" key too
   two       two models: which is the app state's is not known
+  copy      the recipe with the model's tensors copied: equal values, other memory
+  grown     the recipe, its optimizer given a second parameter group at step 10
 
 For each, rank 0 prints "CASE built=B calls=C unequal=S,...": whether the reader builds
 the dict itself after the last step, how often it asked the app state, and the steps at
@@ -19,7 +21,19 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from launcher.state_dicts import AppStateReader, _equal
+from launcher.codec import local_shard
+from launcher.state_dicts import AppStateReader
+
+
+def equal(a: object, b: object) -> bool:
+    """Whether two state trees hold equal values (tensors: their local shards)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(local_shard(a), local_shard(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(equal, a, b))
+    return type(a) is type(b) and a == b
 
 
 def net() -> torch.nn.Module:
@@ -40,6 +54,9 @@ class Recipe:
     def load_state_dict(self, state: dict) -> None:
         raise AssertionError("not restored here")
 
+    def train(self, step: int) -> None:
+        """What the training loop does to the app state's objects before step ``step``."""
+
 
 class Counter(Recipe):
     def state_dict(self) -> dict:
@@ -50,6 +67,22 @@ class Changing(Recipe):
     def state_dict(self) -> dict:
         state = super().state_dict()
         return {**state, "step": self.step} if self.step >= 20 else state
+
+
+class Copy(Recipe):
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        return {**state, "model": {k: v.detach().clone() for k, v in state["model"].items()}}
+
+
+class Grown(Recipe):
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model, optimizer)
+        self.later = list(model[2].parameters())  # not in the optimizer until step 10
+
+    def train(self, step: int) -> None:
+        if step == 10:
+            self.optimizer.add_param_group({"params": self.later})
 
 
 class Two(Recipe):
@@ -66,13 +99,14 @@ def case(name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     unequal = []
     for step in range(40):
         app.step = step
+        app.train(step)
         loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         got = reader()
         calls = app.calls
-        if not _equal(got, app.state_dict()):
+        if not equal(got, app.state_dict()):
             unequal.append(step)
         app.calls = calls  # the comparison's call is not the reader's
     if dist.get_rank() == 0:
@@ -90,7 +124,9 @@ fully_shard(sharded)
 case("fsdp2", sharded, torch.optim.AdamW(sharded.parameters(), lr=1e-2), Recipe)
 wrapped = DistributedDataParallel(net())
 case("ddp", wrapped, torch.optim.SGD(wrapped.parameters(), lr=1e-2, momentum=0.9), Recipe)
-for name, kind in (("counter", Counter), ("changing", Changing), ("two", Two)):
+for name, kind in (("counter", Counter), ("changing", Changing), ("two", Two), ("copy", Copy)):
     model = net()
     case(name, model, torch.optim.AdamW(model.parameters(), lr=1e-2), kind)
+model = net()
+case("grown", model, torch.optim.AdamW(model[0].parameters(), lr=1e-2), Grown)
 dist.destroy_process_group()
