@@ -120,6 +120,10 @@ def _after_first_step(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None
     return after
 
 
+#: Seconds a save waits at most for the host's other ranks to commit the copy they are
+#: writing, before it overwrites the step they all hold (``Checkpointer._host_keeps``).
+PEER_COPY_WAIT = 5.0
+
 #: Bytes below which a tensor of an ``extra`` value that is not a guarded tensor itself is
 #: copied at ``save`` without asking whether it views one: a copy of a few KiB costs less
 #: than finding the storages of every parameter and optimizer state.
@@ -137,6 +141,10 @@ def _members(obj: Any) -> list[Any]:
     for member in getattr(obj, "__dict__", {}).values():
         found.extend(member if isinstance(member, (list, tuple)) else [member])
     return found
+
+
+def _holds(headers: list[memory.SlotHeader | None], step: int) -> bool:
+    return any(memory.committed(h) and h is not None and h.step == step for h in headers)
 
 
 def _stateful(obj: Any) -> bool:
@@ -660,17 +668,56 @@ class Checkpointer:
 
     def _next_slot(self) -> int | None:
         """The slot the next save writes: the older one, unless it holds a step the
-        supervisor pinned, then the newer one, unless that one does too (None: skip)."""
+        supervisor pinned or the newest step every rank of the host holds (see
+        :meth:`_host_keeps`), then the newer one, unless that one is pinned too (None:
+        skip)."""
         order = [0, 1] if self._newest is None else [1 - self._newest, self._newest]
+        headers = [memory.read_header(seg.view) if seg is not None else None
+                   for seg in self._segments]
+        kept = self._host_keeps(*(headers[i] for i in order))
         if self._pins is None:
             name = memory.pins_name(self._prefix, self.rank)
-            if not (memory.SHM_DIR / name).exists():
-                return order[0]
-            self._pins = memory.attach_segment(name, populate=False)
-        kept = memory.pinned_slots(
-            [memory.read_header(seg.view) if seg is not None else None for seg in self._segments],
-            memory.read_pins(self._pins.view))
-        return next((i for i in order if i not in kept), None)
+            if (memory.SHM_DIR / name).exists():
+                self._pins = memory.attach_segment(name, populate=False)
+        if self._pins is not None:
+            pins = memory.read_pins(self._pins.view)
+            kept |= {order.index(i) for i in memory.pinned_slots(headers, pins)}
+        return next((order[k] for k in range(2) if k not in kept), None)
+
+    def _host_keeps(self, older: memory.SlotHeader | None,
+                    newer: memory.SlotHeader | None) -> set[int]:
+        """{0} when the older of this rank's slots must be kept, for a save to overwrite
+        the newer: when its step is the newest the host's other ranks all hold and they
+        do not all hold the newer one yet. A peer's copy of it still in flight is waited
+        for first (at most ``PEER_COPY_WAIT``), as a collective would wait for that peer:
+        overwriting the older step while a peer's copy of the newer one is unfinished
+        would leave no step common to the host if that peer died in its copy (this rank
+        holding s-1 and s, the peer s-2), and the job would start over."""
+        if not (memory.committed(older) and memory.committed(newer)):
+            return set()
+        assert older is not None and newer is not None
+        deadline = time.monotonic() + PEER_COPY_WAIT
+        while True:
+            peers = self._peer_headers()
+            if not peers or all(_holds(pair, newer.step) for pair in peers):
+                return set()
+            writing = any(h is not None and h.state is memory.SlotState.WRITING
+                          for pair in peers for h in pair)
+            if not writing or time.monotonic() >= deadline:
+                break
+            time.sleep(0.0005)
+        return {0} if all(_holds(pair, older.step) for pair in peers) else set()
+
+    def _peer_headers(self) -> list[list[memory.SlotHeader | None]]:
+        """The headers of the own slots of this host's other ranks that have slots."""
+        found = []
+        for rank in self._host_ranks():
+            if rank != self.rank:
+                pair = [memory.peek_header(memory.slot_name(self._prefix, rank, index))
+                        for index in range(2)]
+                if any(pair):
+                    found.append(pair)
+        return found
 
     def _find(self, step: int) -> int | None:
         return memory.holding(step, [memory.read_header(segment.view) if segment else None

@@ -622,7 +622,7 @@ def unlink_segment(name: str) -> None:
 
 # -- header --------------------------------------------------------------------------
 
-def read_header(buf: mmap.mmap) -> SlotHeader | None:
+def read_header(buf: mmap.mmap | bytes) -> SlotHeader | None:
     """The slot's header, or None when the segment is too small or not a gemini slot."""
     if len(buf) < HEADER_SIZE:
         return None
@@ -632,6 +632,20 @@ def read_header(buf: mmap.mmap) -> SlotHeader | None:
         return None
     return SlotHeader(SlotState(state), step, seq, rank, world_size, data_len, meta_offset,
                       meta_len, meta_hash, capacity, run_id.rstrip(b"\0").decode(errors="replace"))
+
+
+def peek_header(name: str) -> SlotHeader | None:
+    """The header of segment ``name``, read through a descriptor closed at once (no mapping
+    is kept: a segment replaced in the meantime is not held alive); None when there is
+    no such slot."""
+    try:
+        fd = open_segment(name, os.O_RDONLY)
+    except StorageError:
+        return None
+    try:
+        return read_header(os.pread(fd, HEADER_SIZE, 0))
+    finally:
+        os.close(fd)
 
 
 def init_header(buf: mmap.mmap, *, rank: int, run_id: str) -> None:

@@ -95,6 +95,20 @@ def test_a_survivor_finishes_the_save_it_is_writing_before_it_is_stopped(
     assert waited and waited[0]["unfinished"] == [], waited
 
 
+def test_a_rank_that_dies_in_a_copy_its_peer_ran_past_leaves_a_common_step(
+        tmp_path: Path) -> None:
+    """Rank 1's copy of step 5 takes 2 s and it dies at its end, uncommitted; rank 0 runs
+    on meanwhile and saves step 6. Rank 0 keeps step 4 (the newest step both hold) until
+    rank 1 has committed 5, which it never does: the next round restores 4, not nothing
+    (rank 0 holding 5 and 6, rank 1 only 4: a start from step 0)."""
+    done = run(_gemini(tmp_path, "--slow-copy", "1:5:2", "--kill", "1:5:late"),
+               env=env_with(tmp_path), timeout=240)
+    assert done.returncode == 0, done.output[-4000:]
+    assert _starts(done.stdout) == [(0, 0), (1, 5)], done.output[-4000:]
+    plans = [e for e in events(tmp_path / "runs") if e["event"] == "restore_plan"]
+    assert plans[-1]["local"] == {"0": [4, 5], "1": [4]}, plans
+
+
 def test_a_worker_stopped_while_it_dies_of_its_own_error_counts_as_failing(
         tmp_path: Path) -> None:
     """Rank 0 raises and is stopped by torch in its teardown, once rank 1 (broken by it)

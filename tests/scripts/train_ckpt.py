@@ -3,6 +3,8 @@
 Fault injection for tests (deterministic, only on the attempt given):
   --kill RANK:STEP:WHEN[:ATTEMPT]   SIGKILL rank RANK at step STEP, WHEN is
       "copy"  inside the snapshot copy of STEP: bytes written, not committed
+      "late"  like "copy", but training goes on while the copy runs (with --slow-copy:
+              a rank that dies in a copy its peers have run a step past)
       "step"  between steps, after the snapshot of STEP is committed
       "flip"  like "step", but first flip one bit of that committed snapshot in memory
       "stop"  like "step", but SIGSTOP instead: a hung worker (for --hang-timeout)
@@ -136,7 +138,7 @@ if slow and int(slow[0]) == rank:
     copier.CopyWorker.copy_all = copy_slowly
 
 copy_kill_steps = {k_step for k_rank, k_step, when, k_attempt in kills
-                   if (k_rank, when, k_attempt) == (rank, "copy", attempt)}
+                   if k_rank == rank and k_attempt == attempt and when in ("copy", "late")}
 if copy_kill_steps:
     real_copy = copier.CopyWorker.copy_all
 
@@ -197,7 +199,7 @@ for step in range(start, args.steps):
         if not stop:
             restart_stamps.killed()
         os.kill(os.getpid(), signal.SIGSTOP if stop else signal.SIGKILL)
-    if copy_kill_steps and step in copy_kill_steps:
+    if (rank, step, "copy", attempt) in kills:
         ckpt.wait()  # the copy thread kills the process before this returns
     if rank == 0:
         print(f"step {step} loss {loss.item():.6f}", flush=True)
