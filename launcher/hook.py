@@ -120,7 +120,7 @@ def _after_first_step(optimizer: torch.optim.Optimizer) -> dict[str, Any] | None
     return after
 
 
-#: Seconds a save waits at most for the host's other ranks to commit the copy they are
+#: Seconds a copy waits at most for the host's other ranks to commit the copy they are
 #: writing, before it overwrites the step they all hold (``Checkpointer._host_keeps``).
 PEER_COPY_WAIT = 5.0
 
@@ -344,6 +344,8 @@ class Checkpointer:
             self._record_imports()
         done = threading.Event()
         self._pending = done
+        if self._pins is not None:  # the host's other ranks wait for it (_host_keeps)
+            memory.write_copying(self._pins.view, step)
         self._copier(ready is None).submit(
             lambda: self._copy(index, step, state, encoded, ready), done)
 
@@ -477,9 +479,9 @@ class Checkpointer:
             members = _members(app)
             models = {id(m): m for m in members if isinstance(m, torch.nn.Module)}
             optimizers = {id(o): o for o in members if isinstance(o, torch.optim.Optimizer)}
-            reader = self._readers[key] = AppStateReader(
-                app, *models.values() if len(models) == 1 else [None],
-                *optimizers.values() if len(optimizers) == 1 else [None])
+            model = next(iter(models.values())) if len(models) == 1 else None
+            optimizer = next(iter(optimizers.values())) if len(optimizers) == 1 else None
+            reader = self._readers[key] = AppStateReader(app, model, optimizer)
         return reader
 
     def _optimizers(self) -> list[torch.optim.Optimizer]:
@@ -668,55 +670,73 @@ class Checkpointer:
 
     def _next_slot(self) -> int | None:
         """The slot the next save writes: the older one, unless it holds a step the
-        supervisor pinned or the newest step every rank of the host holds (see
-        :meth:`_host_keeps`), then the newer one, unless that one is pinned too (None:
-        skip)."""
+        supervisor pinned, then the newer one, unless that one does too (None: skip).
+        The copy may still choose the newer one (:meth:`_keeping_common`)."""
         order = [0, 1] if self._newest is None else [1 - self._newest, self._newest]
-        headers = [memory.read_header(seg.view) if seg is not None else None
-                   for seg in self._segments]
-        kept = self._host_keeps(*(headers[i] for i in order))
+        kept = self._pinned_slots()
+        return next((i for i in order if i not in kept), None)
+
+    def _pinned_slots(self) -> set[int]:
+        """The indexes of this rank's slots that hold a step the supervisor pinned."""
         if self._pins is None:
             name = memory.pins_name(self._prefix, self.rank)
-            if (memory.SHM_DIR / name).exists():
-                self._pins = memory.attach_segment(name, populate=False)
-        if self._pins is not None:
-            pins = memory.read_pins(self._pins.view)
-            kept |= {order.index(i) for i in memory.pinned_slots(headers, pins)}
-        return next((order[k] for k in range(2) if k not in kept), None)
+            if not (memory.SHM_DIR / name).exists():
+                return set()
+            self._pins = memory.attach_segment(name, populate=False)
+        return memory.pinned_slots(
+            [memory.read_header(seg.view) if seg is not None else None for seg in self._segments],
+            memory.read_pins(self._pins.view))
+
+    def _keeping_common(self, index: int) -> int | None:
+        """The slot a copy chosen for slot ``index`` writes: ``index``, unless it is the
+        older slot and holds the newest step the host's ranks all hold (:meth:`_host_keeps`),
+        then the newer one, unless that one is pinned (None: the save is dropped). Asked
+        in the copy thread, which may wait for a peer's copy there: the training thread
+        goes on, and only an optimizer step would wait for it."""
+        newer = self._newest
+        if newer is None or newer == index:
+            return index
+        older_seg, newer_seg = self._segments[index], self._segments[newer]
+        if older_seg is None or newer_seg is None or not self._host_keeps(
+                memory.read_header(older_seg.view), memory.read_header(newer_seg.view)):
+            return index
+        return None if newer in self._pinned_slots() else newer
 
     def _host_keeps(self, older: memory.SlotHeader | None,
-                    newer: memory.SlotHeader | None) -> set[int]:
-        """{0} when the older of this rank's slots must be kept, for a save to overwrite
+                    newer: memory.SlotHeader | None) -> bool:
+        """Whether the older of this rank's slots must be kept, for a save to overwrite
         the newer: when its step is the newest the host's other ranks all hold and they
-        do not all hold the newer one yet. A peer's copy of it still in flight is waited
-        for first (at most ``PEER_COPY_WAIT``), as a collective would wait for that peer:
+        do not all hold the newer one yet. A peer's copy of it pending or in flight (its
+        pins' copying field) is waited for first (at most ``PEER_COPY_WAIT``):
         overwriting the older step while a peer's copy of the newer one is unfinished
         would leave no step common to the host if that peer died in its copy (this rank
         holding s-1 and s, the peer s-2), and the job would start over."""
         if not (memory.committed(older) and memory.committed(newer)):
-            return set()
+            return False
         assert older is not None and newer is not None
         deadline = time.monotonic() + PEER_COPY_WAIT
         while True:
-            peers = self._peer_headers()
-            if not peers or all(_holds(pair, newer.step) for pair in peers):
-                return set()
-            writing = any(h is not None and h.state is memory.SlotState.WRITING
-                          for pair in peers for h in pair)
-            if not writing or time.monotonic() >= deadline:
+            peers = self._peer_slots()
+            lacking = [rank for rank, pair in peers.items() if not _holds(pair, newer.step)]
+            if not lacking:
+                return False
+            if time.monotonic() >= deadline or not any(
+                    memory.peek_copying(self._prefix, rank) == newer.step for rank in lacking):
                 break
             time.sleep(0.0005)
-        return {0} if all(_holds(pair, older.step) for pair in peers) else set()
+        peers = self._peer_slots()  # a copy may have committed between the two reads
+        return (not all(_holds(pair, newer.step) for pair in peers.values())
+                and all(_holds(pair, older.step) for pair in peers.values()))
 
-    def _peer_headers(self) -> list[list[memory.SlotHeader | None]]:
+    def _peer_slots(self) -> dict[int, list[memory.SlotHeader | None]]:
         """The headers of the own slots of this host's other ranks that have slots."""
-        found = []
+        found = {}
         for rank in self._host_ranks():
             if rank != self.rank:
                 pair = [memory.peek_header(memory.slot_name(self._prefix, rank, index))
                         for index in range(2)]
                 if any(pair):
-                    found.append(pair)
+                    found[rank] = pair
         return found
 
     def _find(self, step: int) -> int | None:
@@ -842,11 +862,19 @@ class Checkpointer:
             self._write(index, step, *(encoded or self._encode(state)), ready)
         except BaseException as exc:  # surfaced by the next wait()
             self._error = exc
+        finally:
+            if self._pins is not None and self._pins.buf is not None:
+                memory.write_copying(self._pins.view, -1)
 
     def _write(self, index: int, step: int, tree: str, tensors: list[tuple[str, torch.Tensor]],
                ready: Any) -> None:
         """Copy the state (``tree``: its skeleton's JSON) into slot ``index`` and commit it:
         the tensors this rank keeps; the others are named under ``shared``."""
+        chosen = self._keeping_common(index)
+        if chosen is None:
+            self.skipped += 1
+            return
+        index = chosen
         own, shared = self._split(tensors, tree)
         layout = self._layout_for(index, own, len(tree) + len(shared) + AGREE_LEN,
                                   self._agree_mask(own, tree))

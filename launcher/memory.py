@@ -241,11 +241,14 @@ def heartbeat_name(prefix: str) -> str:
 #: (the first committed step at or after it is being pushed from its slot); -1: none.
 #: A third field is the worker's: the step of its newest ``save()``, skipped or not, so
 #: that replication plans its next target from where training is, not from the last step
-#: a save could keep (while both slots are pinned, saves are skipped).
-PINS = struct.Struct("<qqq")
+#: a save could keep (while both slots are pinned, saves are skipped). A fourth is the
+#: worker's too: the step its copy thread is about to write or writing (-1: none), which
+#: the host's other ranks wait for before they overwrite the step they all hold.
+PINS = struct.Struct("<qqqq")
 _SUPERVISOR_PINS = struct.Struct("<qq")  # PINS' first two fields
 _SEEN = struct.Struct("<q")
 _SEEN_OFFSET = 16
+_COPYING_OFFSET = 24
 
 
 def pins_name(prefix: str, rank: int) -> str:
@@ -262,7 +265,7 @@ def pins_prefix(name: str) -> str | None:
 
 
 def read_pins(buf: mmap.mmap) -> tuple[int, int]:
-    sstar, target, _ = PINS.unpack_from(buf, 0)
+    sstar, target = _SUPERVISOR_PINS.unpack_from(buf, 0)
     return int(sstar), int(target)
 
 
@@ -278,6 +281,25 @@ def read_seen(buf: mmap.mmap) -> int:
 
 def write_seen(buf: mmap.mmap, step: int) -> None:
     _SEEN.pack_into(buf, _SEEN_OFFSET, step)
+
+
+def write_copying(buf: mmap.mmap, step: int) -> None:
+    """The step the worker's copy thread is about to write or writing (-1: none)."""
+    _SEEN.pack_into(buf, _COPYING_OFFSET, step)
+
+
+def peek_copying(prefix: str, rank: int) -> int:
+    """The step ``rank``'s copy thread is about to write or writing (-1: none, or no pins
+    yet), read through a descriptor closed at once."""
+    try:
+        fd = open_segment(pins_name(prefix, rank), os.O_RDONLY)
+    except StorageError:
+        return -1
+    try:
+        raw = os.pread(fd, _SEEN.size, _COPYING_OFFSET)
+    finally:
+        os.close(fd)
+    return int(_SEEN.unpack(raw)[0]) if len(raw) == _SEEN.size else -1
 
 
 def pinned_slots(headers: list[SlotHeader | None], pins: tuple[int, int]) -> set[int]:

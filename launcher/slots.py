@@ -209,6 +209,7 @@ class SlotOwner:
                                             memory.PINS.size)
             memory.write_pins(segment.view, -1, -1)
             memory.write_seen(segment.view, -1)
+            memory.write_copying(segment.view, -1)
             self._own_pins[rank] = segment
         pair = (self._replicas if replica else self._slots).setdefault(rank, [None, None])
         kept = self._kept_index(pair, self._pins.get(rank) if replica else None)
@@ -330,11 +331,13 @@ class SlotOwner:
             return memory.read_seen(segment.view)
 
     def forget_seen(self) -> None:
-        """A new round: the workers start over from the restored step."""
+        """A new round: the workers start over from the restored step (and a copy a dead
+        worker was writing is not waited for)."""
         with self._lock:
             for segment in self._own_pins.values():
                 if segment.buf is not None:
                     memory.write_seen(segment.view, -1)
+                    memory.write_copying(segment.view, -1)
 
     def pinned(self, rank: int) -> int | None:
         with self._lock:

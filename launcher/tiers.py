@@ -179,6 +179,7 @@ class MemoryService:
             self.replication.pause()
         ranks = [w.global_rank for w in group.workers]
         self.server.ranks = frozenset(ranks)
+        self.owner.forget_seen()
         world_size = group.workers[0].world_size if group.workers else 0
         node, nodes = group.group_rank or 0, group.group_world_size or 1
         report = self._holdings(ranks, world_size)
