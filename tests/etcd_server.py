@@ -216,15 +216,27 @@ class EtcdServer(_Started):
 
     def start(self, *, timeout: float = 20.0) -> None:
         """Start etcd (again) and return once it reports healthy; raises RuntimeError with
-        the end of its log if it does not within ``timeout`` seconds."""
+        the end of its log if it does not within ``timeout`` seconds. A restart whose port
+        is taken meanwhile (an outgoing connection of another process on this machine may
+        get it as its source port) is tried again until the timeout."""
         if self.running:
             return
-        self.launch()
-        assert self.proc is not None
         deadline = time.monotonic() + timeout
+        logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self.launch()
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}:\n{self.log_tail()}")
+            proc = self.proc
+            assert proc is not None
+            if proc.poll() is not None:
+                with open(self.log_path, "rb") as log:
+                    log.seek(logged)
+                    taken = b"address already in use" in log.read()
+                if not taken:
+                    raise RuntimeError(f"etcd exited with {proc.returncode}:\n{self.log_tail()}")
+                time.sleep(0.2)
+                logged = self.log_path.stat().st_size
+                self.launch()
+                continue
             if self.healthy():
                 return
             time.sleep(0.05)
