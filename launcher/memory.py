@@ -290,16 +290,9 @@ def write_copying(buf: mmap.mmap, step: int) -> None:
 
 def peek_copying(prefix: str, rank: int) -> int:
     """The step ``rank``'s copy thread is about to write or writing (-1: none, or no pins
-    yet), read through a descriptor closed at once."""
-    try:
-        fd = open_segment(pins_name(prefix, rank), os.O_RDONLY)
-    except StorageError:
-        return -1
-    try:
-        raw = os.pread(fd, _SEEN.size, _COPYING_OFFSET)
-    finally:
-        os.close(fd)
-    return int(_SEEN.unpack(raw)[0]) if len(raw) == _SEEN.size else -1
+    yet)."""
+    raw = _peek(pins_name(prefix, rank), _SEEN.size, _COPYING_OFFSET)
+    return int(_SEEN.unpack(raw)[0]) if raw is not None and len(raw) == _SEEN.size else -1
 
 
 def pinned_slots(headers: list[SlotHeader | None], pins: tuple[int, int]) -> set[int]:
@@ -656,18 +649,24 @@ def read_header(buf: mmap.mmap | bytes) -> SlotHeader | None:
                       meta_len, meta_hash, capacity, run_id.rstrip(b"\0").decode(errors="replace"))
 
 
-def peek_header(name: str) -> SlotHeader | None:
-    """The header of segment ``name``, read through a descriptor closed at once (no mapping
-    is kept: a segment replaced in the meantime is not held alive); None when there is
-    no such slot."""
+def _peek(name: str, size: int, offset: int) -> bytes | None:
+    """``size`` bytes of segment ``name`` at ``offset``, read through a descriptor closed at
+    once (no mapping is kept: a segment replaced in the meantime is not held alive); None
+    when there is no such segment."""
     try:
         fd = open_segment(name, os.O_RDONLY)
     except StorageError:
         return None
     try:
-        return read_header(os.pread(fd, HEADER_SIZE, 0))
+        return os.pread(fd, size, offset)
     finally:
         os.close(fd)
+
+
+def peek_header(name: str) -> SlotHeader | None:
+    """The header of slot ``name`` (see :func:`_peek`); None when there is no such slot."""
+    raw = _peek(name, HEADER_SIZE, 0)
+    return read_header(raw) if raw is not None else None
 
 
 def init_header(buf: mmap.mmap, *, rank: int, run_id: str) -> None:
